@@ -1,0 +1,105 @@
+"""torchrun entry: parse -> resolve -> init_parallel_runtime -> build engine -> run -> teardown.
+
+    torchrun --nproc-per-node 8 -m dspark_launch [flags]
+    python -m dspark_launch [flags]            # a world of one
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+
+import torch
+
+from dspark_launch.args import RunConfig, resolve_config
+from dspark_launch.errors import LaunchError
+from dspark_launch.log import logger, setup_logging
+from dspark_launch.parallel import (
+    ParallelState,
+    destroy_parallel_runtime,
+    get_parallel,
+    init_parallel_runtime,
+)
+
+
+def layout_report(state: ParallelState) -> dict:
+    """This rank's place in the world, with the attn_tp group proven by a real all-reduce."""
+    from dspark_launch.comm import attn_tp_all_reduce
+
+    member_sum = attn_tp_all_reduce(torch.tensor([state.rank], dtype=torch.int64))
+    return {
+        "rank": state.rank,
+        "node_rank": state.node_rank,
+        "local_rank": state.local_rank,
+        "host": socket.gethostname(),
+        "world_size": state.world_size,
+        "tp_size": state.tp_size,
+        "tp_rank": state.tp_rank,
+        "attn_tp_size": state.attn_tp_size,
+        "attn_tp_rank": state.attn_tp_rank,
+        "attn_dp_size": state.attn_dp_size,
+        "attn_dp_rank": state.attn_dp_rank,
+        "attn_tp_ranks": list(state.attn_tp_ranks),
+        "attn_tp_rank_sum": int(member_sum.item()),
+        "backend": state.backend,
+        "device": str(state.device),
+    }
+
+
+def report_topology() -> list[dict]:
+    """Gather every rank's layout to rank 0 and print it there, one JSON line per rank."""
+    import torch.distributed as dist
+
+    state = get_parallel()
+    mine = layout_report(state)
+    everyone: list[dict] = [{}] * state.world_size
+    dist.all_gather_object(everyone, mine, group=state.cpu_group)
+    if state.rank == 0:
+        logger.info(
+            "topology: world=%d tp=%d attn_tp=%d attn_dp=%d backend=%s",
+            state.world_size, state.tp_size, state.attn_tp_size, state.attn_dp_size,
+            state.backend,
+        )
+        for row in everyone:
+            print("LAYOUT " + json.dumps(row, sort_keys=True), flush=True)
+    return everyone
+
+
+def run(cfg: RunConfig) -> int:
+    state = init_parallel_runtime(cfg)
+    setup_logging(state.rank, cfg.log_all_ranks, cfg.log_level)
+    if state.rank == 0:
+        for warning in cfg.warnings:
+            logger.warning(warning)
+    report_topology()
+    if state.rank == 0:
+        logger.info("the decoding engine is not built yet: topology reported, exiting")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = resolve_config(argv)
+        if cfg.plan:
+            from dspark_launch.memory.plan import print_plan
+
+            print_plan(cfg)
+            return 0
+        return run(cfg)
+    except LaunchError as err:
+        rank = get_parallel().rank if _stamped() else 0
+        print(f"dspark_launch: error: {err}", file=sys.stderr, flush=True)
+        return err.exit_code if rank >= 0 else 1
+    finally:
+        destroy_parallel_runtime()
+
+
+def _stamped() -> bool:
+    from dspark_launch.parallel import is_initialized
+
+    return is_initialized()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,293 @@
+"""CLI flags -> one frozen, validated RunConfig.
+
+The deprecated DP-attention spelling (`--dp-size N --enable-dp-attention`) is mapped here and
+nowhere else; everything downstream reads `attn_dp_size`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass, field
+
+from dspark_launch.errors import ConfigError
+from dspark_launch.parallel import launch_world_size, validate_layout
+
+SPEC_ALGORITHMS = ("NONE", "NGRAM", "DFLASH", "DSPARK")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+
+
+def parse_bytes(text: str, flag: str = "--kv-cache-memory") -> int:
+    """'512MiB', '2GiB', '1.5GB', '123456' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ConfigError(
+            f"{flag}={text!r} is not a size; use bytes or a number with a unit "
+            f"(e.g. 536870912, 512MiB, 2GiB, 1.5GB)"
+        )
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ConfigError(f"{flag}={text!r} must be positive")
+    return value
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    # topology
+    tp_size: int = 1
+    attn_dp_size: int = 1
+    device: str = "auto"
+    dist_timeout: float = 300.0
+    # models
+    model: str | None = None
+    draft: str | None = None
+    dtype: str = "auto"
+    speculative_algorithm: str | None = None  # None: chosen from the draft's format
+    block_size: int | None = None
+    dspark_confidence_threshold: float = 0.0
+    ngram_max: int = 3
+    attention_backend: str = "auto"
+    # memory
+    kv_cache_memory: int | None = None
+    mem_fraction_static: float = 0.85
+    max_total_tokens: int | None = None
+    page_size: int = 1
+    max_running_requests: int = 64
+    context_length: int | None = None
+    plan: bool = False
+    json: bool = False
+    # requests and sampling
+    prompt: str | None = None
+    prompts: str | None = None
+    max_new_tokens: int = 128
+    chunked_prefill_size: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    # output
+    output: str | None = None
+    overwrite: bool = False
+    resume: bool = False
+    metrics_json: str | None = None
+    progress: bool = False
+    log_all_ranks: bool = False
+    log_level: str = "INFO"
+    warnings: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def attn_tp_size(self) -> int:
+        """Only for reports before launch; running code reads get_parallel().attn_tp_size."""
+        return self.tp_size // self.attn_dp_size
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dspark_launch",
+        description="Speculative decoding (DFlash / DSpark block drafters) under torchrun. "
+        "Run as `torchrun --nproc-per-node N -m dspark_launch [flags]`; outside torchrun it "
+        "runs as a world of one.",
+    )
+    g = p.add_argument_group("topology")
+    g.add_argument("--tp-size", type=int, default=None,
+                   help="tensor-parallel width (default: the torchrun world size)")
+    g.add_argument("--attn-dp-size", type=int, default=None,
+                   help="data-parallel attention width; attn_tp_size = tp_size / attn_dp_size "
+                   "(default 1)")
+    g.add_argument("--dp-size", type=int, default=None,
+                   help="deprecated: with --enable-dp-attention, same as --attn-dp-size")
+    g.add_argument("--enable-dp-attention", action="store_true",
+                   help="deprecated: use --attn-dp-size N")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="cuda when available (auto), else cpu")
+    g.add_argument("--dist-timeout", type=float, default=300.0,
+                   help="seconds before a stuck collective fails the job (default 300)")
+    g = p.add_argument_group("models")
+    g.add_argument("--model", default=None,
+                   help="target checkpoint dir (HF format); default: the embedded tiny model")
+    g.add_argument("--draft", default=None, help="draft checkpoint dir (DFlash or DSpark format)")
+    g.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="weights and KV dtype (auto: the checkpoint's)")
+    g.add_argument("--speculative-algorithm", type=str.upper, choices=SPEC_ALGORITHMS,
+                   default=None, help="NONE, NGRAM (prompt lookup), DFLASH or DSPARK "
+                   "(default: DSPARK with the embedded model, DFLASH/DSPARK from --draft's "
+                   "format, else NONE)")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="draft block size (default: the draft checkpoint's; NGRAM: 8)")
+    g.add_argument("--dspark-confidence-threshold", type=float, default=0.0,
+                   help="DSpark: verify each block only up to the first confidence below "
+                   "this (0 = full block)")
+    g.add_argument("--ngram-max", type=int, default=3, help="NGRAM: longest suffix matched")
+    g.add_argument("--attention-backend", choices=("auto", "triton", "torch"), default="auto",
+                   help="auto: triton on CUDA, torch on CPU")
+    g = p.add_argument_group("memory")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="per-rank KV budget on CPU (bytes or 512MiB / 2GiB); default: a share "
+                   "of available RAM split among this node's ranks")
+    g.add_argument("--mem-fraction-static", type=float, default=0.85,
+                   help="CUDA: fraction of free memory for weights + KV (default 0.85)")
+    g.add_argument("--max-total-tokens", type=int, default=None,
+                   help="cap on KV rows per rank")
+    g.add_argument("--page-size", type=int, default=1, help="KV rows per page (default 1)")
+    g.add_argument("--max-running-requests", type=int, default=64,
+                   help="requests decoding at once per attn_dp group (default 64)")
+    g.add_argument("--context-length", type=int, default=None,
+                   help="longest prompt+output (default: the model's max_position_embeddings)")
+    g.add_argument("--plan", action="store_true",
+                   help="print the per-rank memory plan for this topology and exit; reads "
+                   "config.json only, launches nothing")
+    g.add_argument("--json", action="store_true", help="with --plan: print JSON")
+    g = p.add_argument_group("requests")
+    g.add_argument("--prompt", default=None, help="one prompt text")
+    g.add_argument("--prompts", default=None,
+                   help="JSONL ({'prompt'|'input_ids', 'max_new_tokens', 'temperature', 'id'}) "
+                   "or plain text, one prompt per line")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--chunked-prefill-size", type=int, default=512,
+                   help="prefill tokens per step per attn_dp group")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("output")
+    g.add_argument("--output", default=None, help="JSONL, one line per request, input order")
+    g.add_argument("--overwrite", action="store_true", help="allow replacing --output")
+    g.add_argument("--resume", action="store_true",
+                   help="skip requests already completed in --output")
+    g.add_argument("--metrics-json", default=None, help="write the rank-0 summary here")
+    g.add_argument("--progress", action="store_true",
+                   help="progress bar on rank 0 even when stderr is not a TTY")
+    g.add_argument("--log-all-ranks", action="store_true",
+                   help="log from every rank, each line prefixed with its rank")
+    g.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return p
+
+
+def _positive(name: str, value: float | int | None, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else ">= 1"
+        raise ConfigError(f"{name}={value} must be {bound}")
+
+
+def resolve_attn_dp(ns: argparse.Namespace) -> tuple[int, tuple[str, ...]]:
+    """Map both spellings of DP attention to attn_dp_size; refuse them together."""
+    legacy = ns.dp_size is not None or ns.enable_dp_attention
+    if ns.attn_dp_size is not None and legacy:
+        raise ConfigError(
+            f"--attn-dp-size={ns.attn_dp_size} and the deprecated --dp-size={ns.dp_size} "
+            f"--enable-dp-attention={ns.enable_dp_attention} were both given; use only "
+            f"--attn-dp-size"
+        )
+    if not legacy:
+        return (ns.attn_dp_size or 1), ()
+    if not ns.enable_dp_attention:
+        raise ConfigError(
+            f"--dp-size={ns.dp_size} without --enable-dp-attention asks for replica data "
+            f"parallelism, which is not supported; for DP attention use --attn-dp-size "
+            f"{ns.dp_size}"
+        )
+    if ns.dp_size is None:
+        raise ConfigError(
+            "--enable-dp-attention needs --dp-size N (or use --attn-dp-size N)"
+        )
+    warning = (
+        f"--dp-size {ns.dp_size} --enable-dp-attention is deprecated; "
+        f"use --attn-dp-size {ns.dp_size}"
+    )
+    return ns.dp_size, (warning,)
+
+
+def resolve_config(argv: list[str] | None = None, world_size: int | None = None) -> RunConfig:
+    """Parse and validate once. argparse's own errors exit 2 with usage; ours raise ConfigError."""
+    ns = build_parser().parse_args(argv)
+    world = launch_world_size() if world_size is None else world_size
+    attn_dp_size, warnings = resolve_attn_dp(ns)
+    tp_size = ns.tp_size if ns.tp_size is not None else world
+    if ns.plan:
+        validate_layout(tp_size=tp_size, attn_dp_size=attn_dp_size)  # any size: nothing launches
+    else:
+        validate_layout(tp_size=tp_size, attn_dp_size=attn_dp_size, world_size=world)
+    _positive("--page-size", ns.page_size)
+    _positive("--max-running-requests", ns.max_running_requests)
+    _positive("--chunked-prefill-size", ns.chunked_prefill_size)
+    _positive("--max-new-tokens", ns.max_new_tokens)
+    _positive("--max-total-tokens", ns.max_total_tokens)
+    _positive("--block-size", ns.block_size)
+    _positive("--context-length", ns.context_length)
+    _positive("--ngram-max", ns.ngram_max)
+    _positive("--temperature", ns.temperature, allow_zero=True)
+    _positive("--top-k", ns.top_k, allow_zero=True)
+    _positive("--dist-timeout", ns.dist_timeout)
+    if not 0.0 < ns.top_p <= 1.0:
+        raise ConfigError(f"--top-p={ns.top_p} must be in (0, 1]")
+    if not 0.0 < ns.mem_fraction_static < 1.0:
+        raise ConfigError(f"--mem-fraction-static={ns.mem_fraction_static} must be in (0, 1)")
+    if not 0.0 <= ns.dspark_confidence_threshold <= 1.0:
+        raise ConfigError(
+            f"--dspark-confidence-threshold={ns.dspark_confidence_threshold} must be in [0, 1]"
+        )
+    if ns.prompt is not None and ns.prompts is not None:
+        raise ConfigError("--prompt and --prompts were both given; use one")
+    if ns.json and not ns.plan:
+        raise ConfigError("--json only applies to --plan")
+    if ns.resume and ns.output is None:
+        raise ConfigError("--resume needs --output FILE (the requests it skips live there)")
+    if ns.draft is not None and ns.model is None:
+        raise ConfigError(f"--draft={ns.draft} needs --model (the target it was trained for)")
+    algorithm = ns.speculative_algorithm
+    if algorithm in ("DFLASH", "DSPARK") and ns.draft is None and ns.model is not None:
+        raise ConfigError(f"--speculative-algorithm {algorithm} needs --draft DIR")
+    if algorithm in ("NONE", "NGRAM") and ns.draft is not None:
+        raise ConfigError(
+            f"--draft={ns.draft} was given but --speculative-algorithm is {algorithm}; "
+            f"use DFLASH or DSPARK, or drop --draft"
+        )
+    kv_bytes = None if ns.kv_cache_memory is None else parse_bytes(ns.kv_cache_memory)
+    return RunConfig(
+        tp_size=tp_size,
+        attn_dp_size=attn_dp_size,
+        device=ns.device,
+        dist_timeout=ns.dist_timeout,
+        model=ns.model,
+        draft=ns.draft,
+        dtype=ns.dtype,
+        speculative_algorithm=algorithm,
+        block_size=ns.block_size,
+        dspark_confidence_threshold=ns.dspark_confidence_threshold,
+        ngram_max=ns.ngram_max,
+        attention_backend=ns.attention_backend,
+        kv_cache_memory=kv_bytes,
+        mem_fraction_static=ns.mem_fraction_static,
+        max_total_tokens=ns.max_total_tokens,
+        page_size=ns.page_size,
+        max_running_requests=ns.max_running_requests,
+        context_length=ns.context_length,
+        plan=ns.plan,
+        json=ns.json,
+        prompt=ns.prompt,
+        prompts=ns.prompts,
+        max_new_tokens=ns.max_new_tokens,
+        chunked_prefill_size=ns.chunked_prefill_size,
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        seed=ns.seed,
+        output=ns.output,
+        overwrite=ns.overwrite,
+        resume=ns.resume,
+        metrics_json=ns.metrics_json,
+        progress=ns.progress,
+        log_all_ranks=ns.log_all_ranks,
+        log_level=ns.log_level,
+        warnings=warnings,
+    )

@@ -1,0 +1,114 @@
+"""Per-forward attention metadata, built once and shared by every layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+MASK_MODES = ("causal", "none", "custom")
+
+
+@dataclass
+class ForwardMetadata:
+    q_lens: list[int]  # new tokens per request (each >= 1)
+    kv_lens: list[int]  # prefix + q_len per request
+    positions: torch.Tensor  # [T] int64 absolute positions of the new tokens (RoPE)
+    q_indptr: torch.Tensor  # [B+1] int64
+    kv_indptr: torch.Tensor  # [B+1] int64
+    kv_indices: torch.Tensor  # [sum kv_lens] int64 pool rows of positions 0..kv_len-1
+    out_rows: torch.Tensor  # [T] int64 rows where the new tokens' K/V are stored
+    mask_mode: str = "causal"  # "causal" | "none" | "custom"
+    custom_mask: torch.Tensor | None = None  # [sum q_len*kv_len] bool, row-major per request
+    mask_indptr: torch.Tensor | None = None  # [B+1] int64 offsets into custom_mask
+    backend_state: dict = field(default_factory=dict)  # filled by AttentionBackend.prepare()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        # An empty batch is not a decode batch: backends short-circuit T == 0 anyway.
+        return (
+            len(self.q_lens) > 0
+            and self.mask_mode == "causal"
+            and all(q == 1 for q in self.q_lens)
+        )
+
+
+def _indptr(lens: list[int], device: torch.device) -> torch.Tensor:
+    out = torch.zeros(len(lens) + 1, dtype=torch.int64)
+    if lens:
+        out[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0)
+    return out.to(device)
+
+
+def build_metadata(
+    req_to_token: torch.Tensor,  # [max_reqs, max_context] int, row per (slot, position)
+    slots: list[int],
+    prefix_lens: list[int],
+    q_lens: list[int],
+    mask_mode: str = "causal",
+    custom_masks: list[torch.Tensor] | None = None,  # per request [q_len, kv_len] bool
+    device: torch.device | str | None = None,
+) -> ForwardMetadata:
+    """Build the CSR view of a batch from the request->token table.
+
+    Works on an empty batch (idle DP rank): every tensor is empty and indptrs are [0].
+    """
+    assert len(slots) == len(prefix_lens) == len(q_lens), "slots/prefix_lens/q_lens differ"
+    assert mask_mode in MASK_MODES, f"mask_mode must be one of {MASK_MODES}, got {mask_mode!r}"
+    assert all(q >= 1 for q in q_lens), "requests with no new tokens must not be in the batch"
+    device = torch.device(device) if device is not None else req_to_token.device
+    kv_lens = [p + q for p, q in zip(prefix_lens, q_lens)]
+    max_ctx = req_to_token.shape[1] if req_to_token.dim() == 2 else 0
+    assert all(k <= max_ctx for k in kv_lens), "kv_len exceeds req_to_token width"
+
+    if slots:
+        # One gather on the table's device: a [B, max_kv] window then a validity mask,
+        # which avoids a Python loop of small slices on GPU.
+        table = req_to_token.to(torch.int64)
+        slot_t = torch.tensor(slots, dtype=torch.int64, device=table.device)
+        max_kv = max(kv_lens)
+        window = table[slot_t, :max_kv]  # [B, max_kv]
+        col = torch.arange(max_kv, device=table.device)
+        kv_len_t = torch.tensor(kv_lens, device=table.device)
+        pre_t = torch.tensor(prefix_lens, device=table.device)
+        kv_indices = window[col[None, :] < kv_len_t[:, None]]
+        new_sel = (col[None, :] >= pre_t[:, None]) & (col[None, :] < kv_len_t[:, None])
+        out_rows = window[new_sel]
+        positions = torch.cat([torch.arange(p, p + q) for p, q in zip(prefix_lens, q_lens)])
+    else:
+        kv_indices = torch.zeros(0, dtype=torch.int64)
+        out_rows = torch.zeros(0, dtype=torch.int64)
+        positions = torch.zeros(0, dtype=torch.int64)
+
+    custom_mask = mask_indptr = None
+    if mask_mode == "custom":
+        assert custom_masks is not None and len(custom_masks) == len(q_lens), (
+            "mask_mode='custom' needs one [q_len, kv_len] mask per request"
+        )
+        flat = []
+        for m, q, k in zip(custom_masks, q_lens, kv_lens):
+            assert tuple(m.shape) == (q, k), f"custom mask shape {tuple(m.shape)} != {(q, k)}"
+            flat.append(m.to(torch.bool).reshape(-1).cpu())
+        custom_mask = (torch.cat(flat) if flat else torch.zeros(0, dtype=torch.bool)).to(device)
+        mask_indptr = _indptr([q * k for q, k in zip(q_lens, kv_lens)], device)
+
+    return ForwardMetadata(
+        q_lens=list(q_lens),
+        kv_lens=kv_lens,
+        positions=positions.to(device),
+        q_indptr=_indptr(list(q_lens), device),
+        kv_indptr=_indptr(kv_lens, device),
+        kv_indices=kv_indices.to(device),
+        out_rows=out_rows.to(device),
+        mask_mode=mask_mode,
+        custom_mask=custom_mask,
+        mask_indptr=mask_indptr,
+    )

@@ -1,0 +1,75 @@
+"""The few collectives the engine needs, each a no-op on a group of one."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dspark_launch.parallel import get_parallel
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum in place over `group` (tp or attn_tp); returns the tensor."""
+    if group_size(group) > 1:
+        dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """Gather equally shaped tensors from every rank of `group`, in group-rank order."""
+    n = group_size(group)
+    if n == 1:
+        return [tensor]
+    parts = [torch.empty_like(tensor) for _ in range(n)]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return parts
+
+
+def tp_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    return all_reduce(tensor, get_parallel().tp_group)
+
+
+def attn_tp_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    return all_reduce(tensor, get_parallel().attn_tp_group)
+
+
+def attn_tp_all_gather(tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate this attention-TP group's shards along `dim`."""
+    return torch.cat(all_gather(tensor, get_parallel().attn_tp_group), dim=dim)
+
+
+def all_gather_ints(values: list[int], group: dist.ProcessGroup | None = None) -> list[list[int]]:
+    """Every rank's small int vector (same length everywhere), over the CPU control group."""
+    group = group if group is not None else get_parallel().cpu_group
+    mine = torch.tensor(values, dtype=torch.int64)
+    return [t.tolist() for t in all_gather(mine, group)]
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Send a picklable object from global rank `src` to every rank (CPU control group)."""
+    state = get_parallel()
+    if group_size(state.cpu_group) == 1:
+        return obj
+    if state.rank == src:
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+    else:
+        size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=src, group=state.cpu_group)
+    if state.rank != src:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(payload, src=src, group=state.cpu_group)
+    return obj if state.rank == src else pickle.loads(payload.numpy().tobytes())
+
+
+def barrier() -> None:
+    state = get_parallel()
+    if group_size(state.cpu_group) > 1:
+        dist.barrier(group=state.cpu_group)

@@ -1,0 +1,285 @@
+"""Process-wide parallel state: the widths, ranks and groups every other part reads.
+
+`init_parallel_runtime` stamps the state once per process, in the order
+init_distributed_environment -> initialize_model_parallel -> initialize_dp_attention.
+Every KV-head count in the engine (pools, budget, models) reads
+`get_parallel().attn_tp_size` from here, never a width re-derived from flags.
+
+Layout: tp_rank = attn_dp_rank * attn_tp_size + attn_tp_rank, so attention-TP groups are
+contiguous runs of attn_tp_size ranks inside the TP group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.distributed as dist
+
+from dspark_launch.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    world_size: int
+    tp_size: int
+    tp_rank: int
+    attn_tp_size: int
+    attn_tp_rank: int
+    attn_dp_size: int
+    attn_dp_rank: int
+    # Where this rank sits in the launch (torchrun's LOCAL_RANK / GROUP_RANK).
+    rank: int = 0
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    backend: str = "gloo"
+    # Process groups; None in a published override (no collectives allowed there).
+    tp_group: dist.ProcessGroup | None = None
+    attn_tp_group: dist.ProcessGroup | None = None
+    cpu_group: dist.ProcessGroup | None = None  # gloo, for control messages
+    attn_tp_ranks: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        validate_layout(
+            tp_size=self.tp_size,
+            attn_dp_size=self.attn_dp_size,
+            attn_tp_size=self.attn_tp_size,
+            tp_rank=self.tp_rank,
+            attn_tp_rank=self.attn_tp_rank,
+            attn_dp_rank=self.attn_dp_rank,
+            world_size=self.world_size,
+        )
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def has_groups(self) -> bool:
+        return self.tp_group is not None
+
+
+def validate_layout(
+    *,
+    tp_size: int,
+    attn_dp_size: int,
+    attn_tp_size: int | None = None,
+    tp_rank: int = 0,
+    attn_tp_rank: int | None = None,
+    attn_dp_rank: int | None = None,
+    world_size: int | None = None,
+) -> None:
+    """Refuse any width/rank combination that breaks the layout, naming every factor."""
+    if tp_size < 1:
+        raise ConfigError(f"tp_size={tp_size} must be >= 1")
+    if attn_dp_size < 1:
+        raise ConfigError(f"attn_dp_size={attn_dp_size} must be >= 1")
+    if tp_size % attn_dp_size:
+        raise ConfigError(
+            f"tp_size={tp_size} is not divisible by attn_dp_size={attn_dp_size} "
+            f"(attn_tp_size = tp_size / attn_dp_size must be a whole number)"
+        )
+    expect_attn_tp = tp_size // attn_dp_size
+    if attn_tp_size is not None and attn_tp_size != expect_attn_tp:
+        raise ConfigError(
+            f"attn_tp_size={attn_tp_size} * attn_dp_size={attn_dp_size} != tp_size={tp_size}"
+        )
+    if world_size is not None and world_size != tp_size:
+        raise ConfigError(
+            f"world_size={world_size} != tp_size={tp_size}: every rank is one tensor-parallel "
+            f"rank (pipeline and replica data parallelism are not supported); "
+            f"launch {tp_size} ranks or pass --tp-size {world_size}"
+        )
+    if not 0 <= tp_rank < tp_size:
+        raise ConfigError(f"tp_rank={tp_rank} is outside [0, tp_size={tp_size})")
+    if attn_tp_rank is not None and attn_tp_rank != tp_rank % expect_attn_tp:
+        raise ConfigError(
+            f"attn_tp_rank={attn_tp_rank} != tp_rank={tp_rank} % attn_tp_size={expect_attn_tp}"
+        )
+    if attn_dp_rank is not None and attn_dp_rank != tp_rank // expect_attn_tp:
+        raise ConfigError(
+            f"attn_dp_rank={attn_dp_rank} != tp_rank={tp_rank} // attn_tp_size={expect_attn_tp}"
+        )
+
+
+_stamped: ParallelState | None = None
+_overrides: list[ParallelState] = []
+
+
+def get_parallel() -> ParallelState:
+    """The live parallel state; raises if nothing has been stamped or published yet."""
+    if _overrides:
+        return _overrides[-1]
+    if _stamped is None:
+        raise RuntimeError(
+            "parallel state read before it was stamped: call init_parallel_runtime(cfg) "
+            "(or publish a topology with override_parallel(...) in tests)"
+        )
+    return _stamped
+
+
+def is_initialized() -> bool:
+    return _stamped is not None
+
+
+def topology(tp_size: int, attn_dp_size: int = 1, tp_rank: int = 0) -> ParallelState:
+    """A validated state for a topology without process groups (for pricing and plans)."""
+    validate_layout(tp_size=tp_size, attn_dp_size=attn_dp_size, tp_rank=tp_rank)
+    attn_tp_size = tp_size // attn_dp_size
+    return ParallelState(
+        world_size=tp_size,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        attn_tp_size=attn_tp_size,
+        attn_tp_rank=tp_rank % attn_tp_size,
+        attn_dp_size=attn_dp_size,
+        attn_dp_rank=tp_rank // attn_tp_size,
+        rank=tp_rank,
+    )
+
+
+@contextlib.contextmanager
+def override_parallel(
+    tp_size: int, attn_dp_size: int = 1, tp_rank: int = 0
+) -> Iterator[ParallelState]:
+    """Publish a topology for the duration of a block (validated; restored on exit)."""
+    state = topology(tp_size, attn_dp_size, tp_rank)
+    _overrides.append(state)
+    try:
+        yield state
+    finally:
+        _overrides.remove(state)
+
+
+# ---------------------------------------------------------------- runtime initialisation
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value in (None, "") else int(value)
+
+
+def launch_world_size() -> int:
+    """World size as torchrun announced it (1 outside torchrun)."""
+    return _env_int("WORLD_SIZE", 1)
+
+
+def init_distributed_environment(
+    device_type: str = "auto", timeout_s: float = 600.0
+) -> ParallelState:
+    """Join the world torchrun announced (or a world of one) and pick the backend."""
+    global _stamped
+    if _stamped is not None:
+        raise RuntimeError("init_parallel_runtime() already ran in this process")
+    rank = _env_int("RANK", 0)
+    world_size = _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", 1)
+    node_rank = _env_int("GROUP_RANK", 0)
+    use_cuda = torch.cuda.is_available() if device_type == "auto" else device_type == "cuda"
+    if use_cuda:
+        device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+        torch.cuda.set_device(device)  # before init_process_group, so NCCL binds this GPU
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    else:  # outside torchrun: a world of one, so every collective is the same code path
+        if world_size != 1:
+            raise ConfigError(f"WORLD_SIZE={world_size} is set but MASTER_ADDR is not")
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+    _stamped = ParallelState(
+        world_size=world_size,
+        tp_size=world_size,
+        tp_rank=rank,
+        attn_tp_size=world_size,
+        attn_tp_rank=rank,
+        attn_dp_size=1,
+        attn_dp_rank=0,
+        rank=rank,
+        local_rank=local_rank,
+        local_world_size=local_world_size,
+        node_rank=node_rank,
+        device=device,
+        backend=backend,
+    )
+    return _stamped
+
+
+def _new_groups(rank_lists: list[list[int]], backend: str | None, timeout_s: float):
+    """Create one group per rank list (every rank must create every group) and return ours."""
+    mine = None
+    for ranks in rank_lists:
+        group = dist.new_group(
+            ranks, backend=backend, timeout=datetime.timedelta(seconds=timeout_s)
+        )
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
+
+
+def initialize_model_parallel(tp_size: int, timeout_s: float = 600.0) -> ParallelState:
+    global _stamped
+    state = get_parallel()
+    validate_layout(tp_size=tp_size, attn_dp_size=1, world_size=state.world_size)
+    world = list(range(state.world_size))
+    tp_group = _new_groups([world], None, timeout_s)
+    # Control messages (prompts, step plans) always travel over gloo on the CPU.
+    cpu_group = tp_group if state.backend == "gloo" else _new_groups([world], "gloo", timeout_s)
+    _stamped = replace(state, tp_size=tp_size, tp_rank=state.rank, tp_group=tp_group,
+                       cpu_group=cpu_group)
+    return _stamped
+
+
+def initialize_dp_attention(attn_dp_size: int, timeout_s: float = 600.0) -> ParallelState:
+    global _stamped
+    state = get_parallel()
+    validate_layout(tp_size=state.tp_size, attn_dp_size=attn_dp_size)
+    attn_tp_size = state.tp_size // attn_dp_size
+    runs = [
+        list(range(start, start + attn_tp_size))
+        for start in range(0, state.tp_size, attn_tp_size)
+    ]
+    # Alias the TP group when attention is not data-parallel: one group, not two.
+    attn_tp_group = state.tp_group if attn_dp_size == 1 else _new_groups(runs, None, timeout_s)
+    _stamped = replace(
+        state,
+        attn_tp_size=attn_tp_size,
+        attn_tp_rank=state.tp_rank % attn_tp_size,
+        attn_dp_size=attn_dp_size,
+        attn_dp_rank=state.tp_rank // attn_tp_size,
+        attn_tp_group=attn_tp_group,
+        attn_tp_ranks=tuple(runs[state.tp_rank // attn_tp_size]),
+    )
+    return _stamped
+
+
+def init_parallel_runtime(cfg) -> ParallelState:
+    """Stamp the parallel state from a resolved RunConfig (tp_size, attn_dp_size, ...)."""
+    try:
+        init_distributed_environment(cfg.device, cfg.dist_timeout)
+        initialize_model_parallel(cfg.tp_size, cfg.dist_timeout)
+        return initialize_dp_attention(cfg.attn_dp_size, cfg.dist_timeout)
+    except BaseException:
+        destroy_parallel_runtime()
+        raise
+
+
+def destroy_parallel_runtime() -> None:
+    """Destroy every process group and forget the stamps; safe to call twice."""
+    global _stamped
+    _stamped = None
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()

@@ -1,0 +1,28 @@
+"""Triton attention kernels and fp32 torch references.
+
+The Triton kernels are imported lazily: `triton.jit` decides at decoration time whether to
+use the interpreter, so TRITON_INTERPRET must be set before these modules load, and
+torch-only users should not pay for (or be affected by) importing triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .reference import ref_decode, ref_extend, ref_store, store_kv_torch
+
+_LAZY = {
+    "store_kv": "store_kv",
+    "paged_decode_attention": "decode_attention",
+    "choose_num_splits": "decode_attention",
+    "extend_attention": "extend_attention",
+}
+
+__all__ = ["ref_decode", "ref_extend", "ref_store", "store_kv_torch", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        module = importlib.import_module(f".{_LAZY[name]}", __name__)
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Install (CPU torch from the 2.13 line, so no multi-GB CUDA build) and run the whole suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -m pip install -q "torch>=2.4,<2.14" -e ".[test]"
+ruff check .
+python -m pytest -n 2 tests "$@"
