@@ -15,7 +15,7 @@ from .metadata import ForwardMetadata
 # Pad the whole batch into one SDPA call unless padding would multiply the work by more
 # than this (e.g. one long prefill next to many decodes): then loop per request.
 _MAX_PAD_WASTE = 4.0
-_PAD_SLACK = 1 << 16
+_PAD_SLACK = 4096
 
 
 @dataclass
@@ -47,7 +47,8 @@ def _request_mask(meta: ForwardMetadata, b: int, device: torch.device) -> torch.
         return j <= (kl - ql) + i
     assert meta.custom_mask is not None and meta.mask_indptr is not None
     start = int(meta.mask_indptr[b])
-    return meta.custom_mask[start : start + ql * kl].view(ql, kl).to(device=device, dtype=torch.bool)
+    mask = meta.custom_mask[start : start + ql * kl].view(ql, kl)
+    return mask.to(device=device, dtype=torch.bool)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -70,7 +71,9 @@ class TorchAttentionBackend(AttentionBackend):
         qp, kp = meta.q_indptr.tolist(), meta.kv_indptr.tolist()
         kv_indices = meta.kv_indices.to(dev)
         return [
-            _PerRequest(qp[b], qp[b + 1], kv_indices[kp[b] : kp[b + 1]], _request_mask(meta, b, dev))
+            _PerRequest(
+                qp[b], qp[b + 1], kv_indices[kp[b] : kp[b + 1]], _request_mask(meta, b, dev)
+            )
             for b in range(meta.num_requests)
         ]
 

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 from _attn_cases import TOL, make_batch
+from dspark_launch.kernels import ref_extend, ref_store
 
 from dspark_launch.attention import build_metadata, make_backend
-from dspark_launch.kernels import ref_extend, ref_store
 
 BACKENDS = ["torch", "triton"]
 
@@ -83,7 +83,7 @@ def test_backend_empty_batch(backend_name):
 
 def test_torch_backend_per_request_path():
     # One long request next to short ones makes padding wasteful -> per-request loop.
-    prefix, q_lens = [0, 3, 2], [300, 1, 1]
+    prefix, q_lens = [0, 3, 2, 5, 9, 1], [200, 1, 1, 1, 1, 2]
     meta, data = make_batch(prefix, q_lens, 16, 4, 2, 64, 64, torch.float32, 7)
     out, _, _ = _run("torch", meta, data, 0.125)
     assert isinstance(meta.backend_state["torch"], list)
