@@ -1,0 +1,192 @@
+"""Page allocator and the one KV location space shared by the target and draft pools.
+
+Row r of every pool belongs to page r // page_size. Page 0 (rows [0, page_size)) is the
+padding dummy: padded tokens write there and unassigned table entries point there, so it
+is never handed out. Both pools index the same rows, so one allocator serves both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PageAllocator:
+    """Free list over pages 1..num_pages. Out of pages is a normal answer (None)."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"num_pages={num_pages} and page_size={page_size} must be >= 1")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        # Stack: pop from the end. Reversed so the first pages handed out are 1, 2, 3...
+        self._free: list[int] = list(range(num_pages, 0, -1))
+        self._is_free = bytearray(num_pages + 1)  # index 0 unused (the dummy page)
+        for page in self._free:
+            self._is_free[page] = 1
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_free_tokens(self) -> int:
+        return len(self._free) * self.page_size
+
+    def alloc(self, n_pages: int) -> list[int] | None:
+        if n_pages < 0:
+            raise ValueError(f"alloc(n_pages={n_pages}) must be >= 0")
+        if n_pages > len(self._free):
+            return None
+        if n_pages == 0:
+            return []
+        pages = self._free[-n_pages:][::-1]  # ascending, so a fresh pool hands out 1, 2, ...
+        del self._free[-n_pages:]
+        for page in pages:
+            self._is_free[page] = 0
+        return pages
+
+    def free(self, pages) -> None:
+        pages = [int(p) for p in pages]
+        # Validate everything first so a bad call changes nothing.
+        seen: set[int] = set()
+        for page in pages:
+            assert page != 0, "free(page 0): page 0 is the padding dummy, never allocated"
+            assert 1 <= page <= self.num_pages, (
+                f"free(page {page}): outside 1..num_pages={self.num_pages}"
+            )
+            assert not self._is_free[page] and page not in seen, (
+                f"free(page {page}): double free (page {page} is already free)"
+            )
+            seen.add(page)
+        for page in pages:
+            self._is_free[page] = 1
+        self._free.extend(pages)
+
+    def backup(self) -> object:
+        """Snapshot for temporary allocations (e.g. draft slots) undone by restore()."""
+        return (list(self._free), bytes(self._is_free))
+
+    def restore(self, state) -> None:
+        free, is_free = state
+        self._free = list(free)
+        self._is_free = bytearray(is_free)
+
+
+class KVSpace:
+    """req -> token table plus the page allocator: where every (slot, position) lives."""
+
+    def __init__(
+        self,
+        max_total_tokens: int,
+        page_size: int,
+        max_requests: int,
+        max_context_len: int,
+        device,
+    ) -> None:
+        num_pages = max_total_tokens // page_size
+        if num_pages < 1:
+            raise ValueError(
+                f"max_total_tokens={max_total_tokens} is less than one page "
+                f"(page_size={page_size})"
+            )
+        if max_requests < 1 or max_context_len < 1:
+            raise ValueError(
+                f"max_requests={max_requests} and max_context_len={max_context_len} must be >= 1"
+            )
+        self.page_size = page_size
+        self.max_requests = max_requests
+        self.max_context_len = max_context_len
+        self.allocator = PageAllocator(num_pages, page_size)
+        # Rows the pools must have: the pages plus the dummy page 0.
+        self.num_rows = (num_pages + 1) * page_size
+        self.req_to_token = torch.zeros(
+            (max_requests, max_context_len), dtype=torch.int64, device=device
+        )
+        self._pages: list[list[int] | None] = [None] * max_requests  # None = slot free
+        self._lens = [0] * max_requests
+        self._free_slots = list(range(max_requests - 1, -1, -1))
+
+    # -- slots
+    def new_slot(self) -> int | None:
+        if not self._free_slots:
+            return None
+        slot = self._free_slots.pop()
+        self._pages[slot] = []
+        self._lens[slot] = 0
+        return slot
+
+    def _check_slot(self, slot: int) -> list[int]:
+        assert 0 <= slot < self.max_requests and self._pages[slot] is not None, (
+            f"slot {slot} is not in use"
+        )
+        return self._pages[slot]  # type: ignore[return-value]
+
+    def reserved_len(self, slot: int) -> int:
+        self._check_slot(slot)
+        return self._lens[slot]
+
+    @property
+    def num_free_tokens(self) -> int:
+        return self.allocator.num_free_tokens
+
+    def is_full(self) -> bool:
+        """True when every page and every slot is free (nothing is held)."""
+        return (
+            self.allocator.num_free_pages == self.allocator.num_pages
+            and len(self._free_slots) == self.max_requests
+        )
+
+    # -- reserve / truncate
+    def pages_needed(self, slot: int, length: int) -> int:
+        pages = self._check_slot(slot)
+        want = -(-length // self.page_size)  # ceil
+        return max(0, want - len(pages))
+
+    def can_reserve(self, slot: int, length: int) -> bool:
+        if length > self.max_context_len:
+            return False
+        return self.pages_needed(slot, length) <= self.allocator.num_free_pages
+
+    def reserve(self, slot: int, length: int) -> bool:
+        """Make rows exist for positions [0, length). All or nothing."""
+        pages = self._check_slot(slot)
+        current = self._lens[slot]
+        if length <= current:
+            return True
+        if length > self.max_context_len:
+            return False
+        new_pages = self.allocator.alloc(self.pages_needed(slot, length))
+        if new_pages is None:
+            return False
+        pages.extend(new_pages)
+        # Positions [current, length) land first in the partly used last page (the
+        # remainder of a page already held), then in the new pages, in order.
+        ps = self.page_size
+        pos = torch.arange(current, length, dtype=torch.int64)
+        page_ids = torch.tensor(pages, dtype=torch.int64)[pos // ps]
+        self.req_to_token[slot, current:length] = (page_ids * ps + pos % ps).to(
+            self.req_to_token.device
+        )
+        self._lens[slot] = length
+        return True
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Keep positions [0, length); free pages wholly beyond it."""
+        pages = self._check_slot(slot)
+        if length < 0:
+            raise ValueError(f"truncate(slot {slot}, length={length}) must be >= 0")
+        if length >= self._lens[slot]:
+            return
+        keep = -(-length // self.page_size)
+        self.allocator.free(pages[keep:])
+        del pages[keep:]
+        self.req_to_token[slot, length : self._lens[slot]] = 0
+        self._lens[slot] = length
+
+    def free_slot(self, slot: int) -> None:
+        self.truncate(slot, 0)
+        self._pages[slot] = None
+        self._free_slots.append(slot)
+
+    def slot_pages(self, slot: int) -> list[int]:
+        return list(self._check_slot(slot))
