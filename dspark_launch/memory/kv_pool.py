@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from dspark_launch.memory.geometry import KVGeometry
+from dspark_launch.parallel import get_parallel
 
 
 class KVPool:
@@ -17,7 +18,10 @@ class KVPool:
             raise ValueError(f"{geometry.name} pool: rows={rows} must be >= 2 (row 0 is dummy)")
         self.geometry = geometry
         self.rows = rows
-        self.heads_local = geometry.kv_heads_per_rank()
+        # The shard the model's attention really holds, from the live width, deliberately
+        # NOT geometry.kv_heads_per_rank(): the pool must not inherit a pricing bug, so the
+        # self-check can catch one.
+        self.heads_local = max(1, geometry.num_kv_heads // get_parallel().attn_tp_size)
         self.device = torch.device(device)
         g = geometry
         self.k: list[torch.Tensor] = [

@@ -1,0 +1,277 @@
+"""Pool configurator: the per-rank KV budget, the token count it buys, and the self-check.
+
+Every KV-head count here reads the LIVE get_parallel().attn_tp_size (through
+KVGeometry.cell_bytes), never cfg.tp_size: pricing the draft at the raw tp width under-counts
+it by up to attn_dp_size and the draft pool OOMs (DESIGN.md, "The bug this project must
+never have"). self_check() proves, from the real buffers, that priced == allocated.
+
+Accounting: the budget covers every row the pools allocate, INCLUDING the dummy page 0, so
+    pages  = floor(budget / (target_cell + draft_cell)) // page_size - 1
+    max_total_tokens = pages * page_size     (then MIN across ranks, then the cap)
+and (max_total_tokens + page_size) * (target_cell + draft_cell) <= budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from dspark_launch.errors import ConfigError, LaunchError
+from dspark_launch.memory.geometry import KVGeometry
+from dspark_launch.parallel import get_parallel
+
+GIB = 1024**3
+# CPU default: ranks of a node share this fraction of MemAvailable. 30% leaves room for
+# both models' weights, activations and the OS; pass --kv-cache-memory to choose exactly.
+CPU_RAM_SHARE = 0.30
+
+
+class PoolPricingError(LaunchError):
+    """A pool holds a different number of bytes per token than the budget priced."""
+
+
+# ---------------------------------------------------------------- budget per rank
+
+
+def mem_available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise LaunchError("/proc/meminfo has no MemAvailable line; pass --kv-cache-memory")
+
+
+def measure_free_bytes(device) -> int:
+    """Free memory where the pools will live: CUDA free bytes, else MemAvailable."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return mem_available_bytes()
+
+
+def cuda_budget(free_before_load: int, free_after_load: int, mem_fraction_static: float) -> int:
+    """SGLang's rule: weights + KV share the static fraction of what was free before loading.
+
+    budget = free_after - free_before * (1 - fraction); the weights already loaded are the
+    difference free_before - free_after, so they are charged against the fraction.
+    """
+    return int(free_after_load - free_before_load * (1.0 - mem_fraction_static))
+
+
+def cpu_budget(kv_cache_memory: int | None) -> int:
+    """--kv-cache-memory when given, else CPU_RAM_SHARE of MemAvailable split across the
+    ranks of this node (they all draw on the same RAM)."""
+    if kv_cache_memory is not None:
+        return int(kv_cache_memory)
+    return int(mem_available_bytes() * CPU_RAM_SHARE) // max(1, get_parallel().local_world_size)
+
+
+def rank_budget(cfg, device, free_before_load: int | None = None) -> int:
+    """This rank's KV budget in bytes. An explicit --kv-cache-memory wins on any device."""
+    device = torch.device(device)
+    if cfg.kv_cache_memory is not None or device.type != "cuda":
+        return cpu_budget(cfg.kv_cache_memory)
+    if free_before_load is None:
+        raise LaunchError("CUDA budget needs free_before_load, measured before loading weights")
+    budget = cuda_budget(free_before_load, measure_free_bytes(device), cfg.mem_fraction_static)
+    if budget <= 0:
+        raise ConfigError(
+            f"no KV memory left on {device}: free after loading weights - free before "
+            f"({free_before_load / GIB:.2f} GiB) * (1 - --mem-fraction-static="
+            f"{cfg.mem_fraction_static}) = {budget / GIB:.2f} GiB; raise --mem-fraction-static"
+        )
+    return budget
+
+
+# ---------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    budget_bytes: int
+    target_cell: int  # bytes per token in the target pool on this rank
+    draft_cell: int  # 0 when there is no draft
+    page_size: int
+    max_total_tokens: int  # rows handed out per pool (the dummy page is extra)
+    tokens_before_cap: int  # after the MIN across ranks, before --max-total-tokens
+    target_kv_heads_per_rank: int
+    draft_kv_heads_per_rank: int  # 0 when there is no draft
+    tp_size: int
+    attn_tp_size: int
+    attn_dp_size: int
+    tp_rank: int = 0
+    attn_tp_rank: int = 0
+    attn_dp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.max_total_tokens < self.page_size:
+            raise ValueError(f"plan needs >= one page: {self}")
+        if self.max_total_tokens % self.page_size:
+            raise ValueError(f"max_total_tokens not a multiple of page_size: {self}")
+        if self.pool_rows * self.cell > self.budget_bytes:
+            raise ValueError(f"plan exceeds its budget: {self}")
+
+    @property
+    def cell(self) -> int:
+        return self.target_cell + self.draft_cell
+
+    @property
+    def num_pages(self) -> int:
+        return self.max_total_tokens // self.page_size
+
+    @property
+    def pool_rows(self) -> int:
+        """Rows each pool allocates: the pages plus the dummy page 0."""
+        return (self.num_pages + 1) * self.page_size
+
+    @property
+    def target_pool_gib(self) -> float:
+        return self.pool_rows * self.target_cell / GIB
+
+    @property
+    def draft_pool_gib(self) -> float:
+        return self.pool_rows * self.draft_cell / GIB
+
+    @property
+    def budget_gib(self) -> float:
+        return self.budget_bytes / GIB
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(
+            pool_rows=self.pool_rows,
+            target_pool_gib=round(self.target_pool_gib, 4),
+            draft_pool_gib=round(self.draft_pool_gib, 4),
+            budget_gib=round(self.budget_gib, 4),
+        )
+        return out
+
+
+def smallest_budget(cell: int, page_size: int) -> int:
+    """One usable page plus the dummy page, for both pools."""
+    return 2 * page_size * cell
+
+
+def _budget_flag() -> str:
+    on_cuda = get_parallel().device.type == "cuda"
+    return "--mem-fraction-static" if on_cuda else "--kv-cache-memory"
+
+
+def plan_memory(
+    budget_bytes: int,
+    target: KVGeometry,
+    draft: KVGeometry | None,
+    page_size: int,
+    max_total_tokens_cap: int | None = None,
+) -> MemoryPlan:
+    """Price both pools at the live attn_tp width and size them to the budget. Pure."""
+    state = get_parallel()
+    target_cell = target.cell_bytes()
+    draft_cell = draft.cell_bytes() if draft is not None else 0
+    cell = target_cell + draft_cell
+    need = smallest_budget(cell, page_size)
+    if budget_bytes < need:
+        raise ConfigError(
+            f"KV budget {budget_bytes} bytes ({budget_bytes / GIB:.3f} GiB) per rank is too "
+            f"small: one page of each pool plus the dummy page needs {need} bytes "
+            f"({need / GIB:.4f} GiB) = 2 * page_size={page_size} * (target_cell={target_cell}"
+            f" + draft_cell={draft_cell}) at attn_tp_size={state.attn_tp_size}; raise "
+            f"{_budget_flag()}"
+        )
+    pages = budget_bytes // cell // page_size - 1  # minus the dummy page
+    tokens = pages * page_size
+    return MemoryPlan(
+        budget_bytes=int(budget_bytes),
+        target_cell=target_cell,
+        draft_cell=draft_cell,
+        page_size=page_size,
+        max_total_tokens=_cap(tokens, max_total_tokens_cap, page_size),
+        tokens_before_cap=tokens,
+        target_kv_heads_per_rank=target.kv_heads_per_rank(),
+        draft_kv_heads_per_rank=draft.kv_heads_per_rank() if draft is not None else 0,
+        tp_size=state.tp_size,
+        attn_tp_size=state.attn_tp_size,
+        attn_dp_size=state.attn_dp_size,
+        tp_rank=state.tp_rank,
+        attn_tp_rank=state.attn_tp_rank,
+        attn_dp_rank=state.attn_dp_rank,
+    )
+
+
+def _cap(tokens: int, cap: int | None, page_size: int) -> int:
+    if cap is None or cap >= tokens:
+        return tokens
+    capped = cap // page_size * page_size
+    if capped < page_size:
+        raise ConfigError(
+            f"--max-total-tokens={cap} is less than one page (--page-size={page_size})"
+        )
+    return capped
+
+
+def agree_across_ranks(plan: MemoryPlan) -> MemoryPlan:
+    """MIN of the token counts over every rank, so all pools index the same rows.
+
+    Capping is monotone, so the MIN of capped counts is the cap of the MIN count.
+    """
+    group = get_parallel().cpu_group
+    if group is None or dist.get_world_size(group) == 1:
+        return plan
+    counts = torch.tensor([plan.tokens_before_cap, plan.max_total_tokens], dtype=torch.int64)
+    dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=group)
+    before_cap, capped = (int(x) for x in counts.tolist())
+    return replace(plan, tokens_before_cap=before_cap, max_total_tokens=capped)
+
+
+def configure_memory(
+    cfg,
+    target: KVGeometry,
+    draft: KVGeometry | None,
+    device,
+    free_before_load: int | None = None,
+) -> MemoryPlan:
+    """Budget -> plan -> agreement across ranks; what the engine calls after loading."""
+    budget = rank_budget(cfg, device, free_before_load)
+    plan = plan_memory(budget, target, draft, cfg.page_size, cfg.max_total_tokens)
+    return agree_across_ranks(plan)
+
+
+# ---------------------------------------------------------------- startup self-check
+
+
+def _check_pool(label: str, pool, priced: int, plan: MemoryPlan) -> None:
+    measured = pool.bytes_per_token()
+    if measured == priced and pool.rows == plan.pool_rows:
+        return
+    g = pool.geometry
+    state = get_parallel()
+    raise PoolPricingError(
+        f"{label} KV pool holds {measured:g} bytes/token but the budget priced {priced} "
+        f"bytes/token (rows {pool.rows}, planned {plan.pool_rows}); the pool's terms: "
+        f"kv_heads_per_rank={pool.heads_local} (num_kv_heads={g.num_kv_heads} // "
+        f"attn_tp_size={state.attn_tp_size}; tp_size={state.tp_size}, "
+        f"attn_dp_size={state.attn_dp_size}), head_dim={g.head_dim}, "
+        f"v_head_dim={g.v_head_dim}, layers={g.num_layers}, "
+        f"dtype={str(g.dtype).removeprefix('torch.')} itemsize={g.itemsize}; the plan priced "
+        f"kv_heads_per_rank={_plan_heads(label, plan)} at attn_tp_size={plan.attn_tp_size}"
+    )
+
+
+def _plan_heads(label: str, plan: MemoryPlan) -> int:
+    return plan.target_kv_heads_per_rank if label == "target" else plan.draft_kv_heads_per_rank
+
+
+def self_check(plan: MemoryPlan, target_pool, draft_pool=None) -> None:
+    """Measured bytes per token (real buffers) must equal the priced cell, pool by pool."""
+    _check_pool("target", target_pool, plan.target_cell, plan)
+    if draft_pool is None:
+        if plan.draft_cell:
+            raise PoolPricingError(
+                f"the budget priced a draft cell of {plan.draft_cell} bytes/token but no "
+                f"draft pool was built"
+            )
+        return
+    _check_pool("draft", draft_pool, plan.draft_cell, plan)
