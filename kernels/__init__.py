@@ -24,5 +24,8 @@ __all__ = ["ref_decode", "ref_extend", "ref_store", "store_kv_torch", *_LAZY]
 def __getattr__(name: str):
     if name in _LAZY:
         module = importlib.import_module(f".{_LAZY[name]}", __name__)
-        return getattr(module, name)
+        # Importing submodule `store_kv` binds the module object to this package's
+        # `store_kv` attribute; rebind the function so `from ... import store_kv` works.
+        globals()[name] = fn = getattr(module, name)
+        return fn
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -95,3 +95,13 @@ def test_make_backend_auto_and_unknown():
     assert make_backend("auto", torch.device("cpu")).name == "torch"
     with pytest.raises(ValueError):
         make_backend("flash", torch.device("cpu"))
+
+
+def test_triton_backend_requires_interpreter_on_cpu(monkeypatch, caplog):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        make_backend("triton", torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with caplog.at_level("WARNING", logger="dspark_launch"):
+        make_backend("triton", torch.device("cpu"))
+    assert sum("slow" in r.getMessage() for r in caplog.records) == 1
