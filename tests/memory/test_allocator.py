@@ -1,0 +1,204 @@
+"""PageAllocator and KVSpace: exact free counts, never page/row 0, never a duplicate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from dspark_launch.memory.allocator import KVSpace, PageAllocator
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    """Random alloc/free/backup/restore against a plain set model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alloc = PageAllocator(num_pages=23, page_size=4)
+        self.held: set[int] = set()
+        self.snapshot = None
+
+    @rule(n=st.integers(0, 9))
+    def alloc_pages(self, n: int) -> None:
+        got = self.alloc.alloc(n)
+        free_before = 23 - len(self.held)
+        if n > free_before:
+            assert got is None
+            return
+        assert got is not None and len(got) == n and len(set(got)) == n
+        assert 0 not in got and all(1 <= p <= 23 for p in got)
+        assert not self.held & set(got), "a held page was handed out again"
+        self.held |= set(got)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def free_some(self, data) -> None:
+        pages = data.draw(st.lists(st.sampled_from(sorted(self.held)), unique=True, min_size=1))
+        self.alloc.free(pages)
+        self.held -= set(pages)
+
+    @rule()
+    def backup(self) -> None:
+        self.snapshot = (self.alloc.backup(), set(self.held))
+
+    @precondition(lambda self: self.snapshot is not None)
+    @rule()
+    def restore(self) -> None:
+        state, held = self.snapshot
+        self.alloc.restore(state)
+        self.held = set(held)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def double_free_refused(self, data) -> None:
+        page = data.draw(st.sampled_from(sorted(set(range(1, 24)) - self.held) or [0]))
+        with pytest.raises(AssertionError, match=f"page {page}"):
+            self.alloc.free([page])
+
+    @invariant()
+    def free_count_exact(self) -> None:
+        assert self.alloc.num_free_pages == 23 - len(self.held)
+        assert self.alloc.num_free_tokens == (23 - len(self.held)) * 4
+
+
+TestAllocatorMachine = AllocatorMachine.TestCase
+TestAllocatorMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+@pytest.mark.parametrize("bad", [0, 6, -1])
+def test_free_outside_range_names_the_page(bad: int) -> None:
+    alloc = PageAllocator(5, 1)
+    with pytest.raises(AssertionError, match=f"page {bad}"):
+        alloc.free([bad])
+    assert alloc.num_free_pages == 5
+
+
+def test_out_of_pages_is_none_not_an_exception() -> None:
+    alloc = PageAllocator(3, 2)
+    assert alloc.alloc(3) == [1, 2, 3]
+    assert alloc.alloc(1) is None
+    assert alloc.num_free_tokens == 0
+
+
+class SpaceMachine(RuleBasedStateMachine):
+    """KVSpace reserve/truncate/free against a model of each slot's length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ps = 1
+        self.space: KVSpace | None = None
+        self.lens: dict[int, int] = {}
+
+    @precondition(lambda self: self.space is None)
+    @rule(ps=st.sampled_from([1, 16]), pages=st.integers(1, 12))
+    def build(self, ps: int, pages: int) -> None:
+        self.ps = ps
+        self.space = KVSpace(pages * ps + ps - 1, ps, max_requests=4, max_context_len=64,
+                             device="cpu")
+        assert self.space.allocator.num_pages == pages
+        assert self.space.num_rows == (pages + 1) * ps
+
+    @precondition(lambda self: self.space is not None)
+    @rule()
+    def new_slot(self) -> None:
+        slot = self.space.new_slot()
+        if len(self.lens) == 4:
+            assert slot is None
+        else:
+            assert slot is not None and slot not in self.lens
+            self.lens[slot] = 0
+
+    @precondition(lambda self: self.lens)
+    @rule(data=st.data(), grow=st.integers(0, 40))
+    def reserve(self, data, grow: int) -> None:
+        slot = data.draw(st.sampled_from(sorted(self.lens)))
+        old_len = self.lens[slot]
+        new_len = min(64, old_len + grow)
+        before = self.space.req_to_token[slot].clone()
+        free_before = self.space.allocator.num_free_pages
+        need = self.space.pages_needed(slot, new_len)
+        can = self.space.can_reserve(slot, new_len)
+        ok = self.space.reserve(slot, new_len)
+        assert ok == can == (need <= free_before)
+        if not ok:  # all or nothing
+            assert torch.equal(before, self.space.req_to_token[slot])
+            assert self.space.allocator.num_free_pages == free_before
+            return
+        row = self.space.req_to_token[slot]
+        assert torch.equal(row[:old_len], before[:old_len]), "reserved rows moved"
+        # The partly used last page is filled first: positions stay on their page.
+        if old_len % self.ps:
+            last = int(before[old_len - 1]) // self.ps
+            fill = min(new_len, old_len - old_len % self.ps + self.ps)
+            assert all(int(r) // self.ps == last for r in row[old_len:fill])
+        self.lens[slot] = new_len
+
+    @precondition(lambda self: self.lens)
+    @rule(data=st.data())
+    def truncate(self, data) -> None:
+        slot = data.draw(st.sampled_from(sorted(self.lens)))
+        keep = data.draw(st.integers(0, self.lens[slot]))
+        self.space.truncate(slot, keep)
+        self.lens[slot] = keep
+        assert int(self.space.req_to_token[slot, keep:].abs().sum()) == 0
+
+    @precondition(lambda self: self.lens)
+    @rule(data=st.data())
+    def free_slot(self, data) -> None:
+        slot = data.draw(st.sampled_from(sorted(self.lens)))
+        self.space.free_slot(slot)
+        del self.lens[slot]
+
+    @invariant()
+    def rows_unique_and_never_dummy(self) -> None:
+        if self.space is None:
+            return
+        rows, held_pages = [], 0
+        for slot, n in self.lens.items():
+            assert self.space.reserved_len(slot) == n
+            got = self.space.req_to_token[slot, :n].tolist()
+            assert all(r >= self.ps for r in got), "a row of the dummy page was handed out"
+            assert all(r % self.ps == p % self.ps for p, r in enumerate(got))
+            rows += got
+            held_pages += -(-n // self.ps)
+        assert len(rows) == len(set(rows)), "a row was handed out twice"
+        assert self.space.allocator.num_free_pages == self.space.allocator.num_pages - held_pages
+        assert self.space.is_full() == (not self.lens)
+
+    def teardown(self) -> None:
+        if self.space is not None:
+            for slot in list(self.lens):
+                self.space.free_slot(slot)
+            assert self.space.is_full()
+
+
+TestSpaceMachine = SpaceMachine.TestCase
+TestSpaceMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_partly_used_last_page_is_filled_first(ps: int) -> None:
+    space = KVSpace(8 * ps, ps, max_requests=2, max_context_len=10 * ps, device="cpu")
+    a, b = space.new_slot(), space.new_slot()
+    assert space.reserve(a, 3) and space.reserve(b, 1) and space.reserve(a, ps + 2)
+    rows = space.req_to_token[a, : ps + 2].tolist()
+    assert 0 not in rows
+    pages = [r // ps for r in rows]
+    assert pages[:ps] == [pages[0]] * ps  # first page completed before a new one opened
+    assert space.pages_needed(a, ps + 2) == 0
+    space.truncate(a, 1)
+    assert space.req_to_token[a, 1:].abs().sum() == 0
+    space.free_slot(a)
+    space.free_slot(b)
+    assert space.is_full() and space.num_free_tokens == 8 * ps
+
+
+def test_reserve_is_all_or_nothing_when_pages_run_out() -> None:
+    space = KVSpace(4 * 16, 16, max_requests=2, max_context_len=200, device="cpu")
+    a = space.new_slot()
+    assert space.reserve(a, 20)
+    assert not space.can_reserve(a, 100) and not space.reserve(a, 100)
+    assert space.reserved_len(a) == 20 and space.allocator.num_free_pages == 2
+    assert int(space.req_to_token[a, 20:].abs().sum()) == 0
