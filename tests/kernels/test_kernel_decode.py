@@ -54,3 +54,15 @@ def test_decode_empty_batch_and_heuristic():
     for args in [(1, 8, 32768), (256, 8, 4096), (4, 1, 10)]:
         assert 1 <= choose_num_splits(*args, torch.device(DEVICE)) <= 8
     assert choose_num_splits(4, 1, 10, torch.device(DEVICE)) == 1  # short: never split
+
+
+def test_decode_large_group_and_workspace():
+    # Group of 72 query heads spans two head blocks; a caller workspace may be oversized.
+    gen = torch.Generator().manual_seed(9)
+    kv_indptr, kv_indices, rows = paged_rows([5, 20], 1, gen)
+    kc, vc = rand(gen, rows, 1, 16), rand(gen, rows, 1, 16)
+    q = rand(gen, 2, 72, 16)
+    ws = (torch.empty(4, 72, 8, 16, device=DEVICE), torch.empty(4, 72, 8, device=DEVICE))
+    out = paged_decode_attention(q, kc, vc, kv_indptr, kv_indices, 0.3, 3, workspace=ws)
+    ref = ref_decode(q, kc, vc, kv_indptr, kv_indices, 0.3)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
