@@ -6,6 +6,7 @@ import torch
 
 from dspark_launch.attention import ForwardMetadata, build_metadata
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1.5e-2, rtol=1e-2)}
 
 
@@ -36,12 +37,12 @@ def make_batch(
     kv_lens = [p + q for p, q in zip(prefix_lens, q_lens)]
     table, rows = make_table(kv_lens, page_size, gen)
     meta = build_metadata(
-        table, list(range(len(q_lens))), prefix_lens, q_lens, mask_mode, custom_masks
+        table, list(range(len(q_lens))), prefix_lens, q_lens, mask_mode, custom_masks, DEVICE
     )
     t = sum(q_lens)
 
     def rnd(*shape):
-        return torch.randn(*shape, generator=gen).to(dtype)
+        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=DEVICE)
 
     data = dict(
         q=rnd(t, hq, d), k=rnd(t, hkv, d), v=rnd(t, hkv, dv),

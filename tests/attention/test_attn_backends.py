@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from _attn_cases import TOL, make_batch
+from _attn_cases import DEVICE, TOL, make_batch
 from dspark_launch.kernels import ref_extend, ref_store
 
 from dspark_launch.attention import build_metadata, make_backend
@@ -22,7 +22,7 @@ CASES = [
 
 
 def _run(backend_name, meta, data, sm_scale):
-    backend = make_backend(backend_name, torch.device("cpu"))
+    backend = make_backend(backend_name, DEVICE)
     kc, vc = data["k_cache"].clone(), data["v_cache"].clone()
     backend.prepare(meta)
     out = backend.forward(data["q"], data["k"], data["v"], kc, vc, meta, sm_scale)
@@ -72,11 +72,12 @@ def test_backend_mask_modes(backend_name, mode):
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
 def test_backend_empty_batch(backend_name):
-    meta = build_metadata(torch.zeros(2, 4, dtype=torch.int64), [], [], [])
-    backend = make_backend(backend_name, torch.device("cpu"))
+    meta = build_metadata(torch.zeros(2, 4, dtype=torch.int64), [], [], [], device=DEVICE)
+    backend = make_backend(backend_name, DEVICE)
     backend.prepare(meta)
-    kc, vc = torch.zeros(8, 2, 64), torch.zeros(8, 2, 32)
-    q, k, v = torch.zeros(0, 4, 64), torch.zeros(0, 2, 64), torch.zeros(0, 2, 32)
+    kc, vc = torch.zeros(8, 2, 64, device=DEVICE), torch.zeros(8, 2, 32, device=DEVICE)
+    q, k = torch.zeros(0, 4, 64, device=DEVICE), torch.zeros(0, 2, 64, device=DEVICE)
+    v = torch.zeros(0, 2, 32, device=DEVICE)
     out = backend.forward(q, k, v, kc, vc, meta, 0.125)
     assert out.shape == (0, 4, 32)
 
