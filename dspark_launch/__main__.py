@@ -73,9 +73,9 @@ def run(cfg: RunConfig) -> int:
         for warning in cfg.warnings:
             logger.warning(warning)
     report_topology()
-    if state.rank == 0:
-        logger.info("the decoding engine is not built yet: topology reported, exiting")
-    return 0
+    from dspark_launch.engine.runner import run_job
+
+    return run_job(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,17 +88,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return run(cfg)
     except LaunchError as err:
-        rank = get_parallel().rank if _stamped() else 0
         print(f"dspark_launch: error: {err}", file=sys.stderr, flush=True)
-        return err.exit_code if rank >= 0 else 1
+        return err.exit_code
     finally:
         destroy_parallel_runtime()
-
-
-def _stamped() -> bool:
-    from dspark_launch.parallel import is_initialized
-
-    return is_initialized()
 
 
 if __name__ == "__main__":

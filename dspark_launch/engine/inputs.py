@@ -1,0 +1,107 @@
+"""Prompts in: JSONL or plain text, read and tokenized on rank 0, then broadcast.
+
+A line that cannot be read as a request is a configuration error naming the file and line;
+a request that is readable but cannot run (empty, or longer than the context) is refused on
+its own line of output with a reason, and the others proceed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dspark_launch.engine.request import RequestSpec
+from dspark_launch.errors import ConfigError
+
+BUILTIN_PROMPTS = (
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n\ndef main():\n",
+    "class Stack:\n    def __init__(self):\n",
+    "def read_config(path):\n    with open(path) as f:\n",
+)
+
+
+def read_prompt_file(path: str) -> list[dict]:
+    """Raw request dicts from a JSONL file, or one prompt per line of plain text."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"--prompts={path}: cannot read the file ({err})") from None
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not lines:
+        raise ConfigError(f"--prompts={path}: the file holds no prompts")
+    jsonl = lines[0][1].lstrip().startswith("{")
+    rows: list[dict] = []
+    for n, line in lines:
+        if not jsonl:
+            rows.append({"prompt": line, "_line": n})
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"--prompts={path} line {n}: not valid JSON ({err.msg})") from None
+        if not isinstance(row, dict) or ("prompt" in row) == ("input_ids" in row):
+            raise ConfigError(
+                f"--prompts={path} line {n}: expected an object with exactly one of "
+                f"'prompt' (text) or 'input_ids' (list of ints)")
+        row["_line"] = n
+        rows.append(row)
+    return rows
+
+
+def _field(row: dict, key: str, kind, default, where: str):
+    value = row.get(key, default)
+    if value is default:
+        return default
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{where}: {key}={value!r} must be an integer")
+    if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ConfigError(f"{where}: {key}={value!r} must be a number")
+    return kind(value)
+
+
+def build_specs(
+    rows: list[dict],
+    tokenizer,
+    max_new_tokens: int,
+    temperature: float,
+    context_limit: int,
+    vocab_size: int,
+    source: str = "--prompts",
+) -> list[RequestSpec]:
+    specs: list[RequestSpec] = []
+    for index, row in enumerate(rows):
+        where = f"{source} line {row.get('_line', index + 1)}"
+        mnt = _field(row, "max_new_tokens", int, max_new_tokens, where)
+        temp = _field(row, "temperature", float, temperature, where)
+        if mnt <= 0:
+            raise ConfigError(f"{where}: max_new_tokens={mnt} must be >= 1")
+        if temp < 0:
+            raise ConfigError(f"{where}: temperature={temp} must be >= 0")
+        text = row.get("prompt")
+        if "input_ids" in row:
+            ids = row["input_ids"]
+            if not isinstance(ids, list) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ConfigError(f"{where}: input_ids must be a list of integers")
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ConfigError(
+                    f"{where}: input_ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+        else:
+            if not isinstance(text, str):
+                raise ConfigError(f"{where}: prompt must be a string")
+            if tokenizer is None:
+                raise ConfigError(f"{where}: a text prompt needs the checkpoint's "
+                                  f"tokenizer.json (or give input_ids)")
+            ids = tokenizer.encode(text).ids if text else []
+        refused = None
+        if not ids:
+            refused = "empty prompt"
+        elif len(ids) >= context_limit:
+            refused = (f"prompt of {len(ids)} tokens does not fit the context limit of "
+                       f"{context_limit} tokens (prompt + at least one new token)")
+        specs.append(RequestSpec(
+            index=index, rid=str(row.get("id", index)), prompt_ids=tuple(ids),
+            max_new_tokens=mnt, temperature=temp, prompt_text=text, refused=refused))
+    return specs

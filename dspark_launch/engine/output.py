@@ -1,0 +1,176 @@
+"""Results out: one JSONL line per request (flushed as it finishes, input order at the end)
+and the rank-0 summary."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+from dspark_launch.engine.request import Request, RequestSpec
+from dspark_launch.errors import ConfigError
+
+
+def request_record(req: Request) -> dict:
+    """Everything about a finished request, built on the rank that ran it."""
+    end = req.finished_at or req.arrival
+    ttft = (req.first_token_at - req.arrival) if req.first_token_at else None
+    n_out = len(req.output_ids)
+    tpot = (end - req.first_token_at) / (n_out - 1) if req.first_token_at and n_out > 1 else None
+    return {
+        "index": req.spec.index,
+        "id": req.spec.rid,
+        "prompt_tokens": len(req.spec.prompt_ids),
+        "completion_tokens": n_out,
+        "output_ids": list(req.output_ids),
+        "finish_reason": req.finish_reason,
+        "accept_lens": list(req.accept_lens),
+        "rounds": len(req.accept_lens),
+        "ttft_s": ttft,
+        "tpot_s": tpot,
+        "latency_s": end - req.arrival,
+        "draft_s": req.draft_time,
+        "verify_s": req.verify_time,
+        "preemptions": req.preemptions,
+    }
+
+
+def refused_record(spec: RequestSpec) -> dict:
+    return {
+        "index": spec.index, "id": spec.rid, "prompt_tokens": len(spec.prompt_ids),
+        "completion_tokens": 0, "output_ids": [], "finish_reason": "refused",
+        "error": spec.refused, "accept_lens": [], "rounds": 0, "ttft_s": None, "tpot_s": None,
+        "latency_s": 0.0, "draft_s": 0.0, "verify_s": 0.0, "preemptions": 0,
+    }
+
+
+def completed_indices(path: str) -> set[int]:
+    """Indices of requests already written to an output file (complete lines only)."""
+    done: set[int] = set()
+    p = Path(path)
+    if not p.exists():
+        return done
+    for line in p.read_text(encoding="utf-8").splitlines():
+        try:
+            done.add(int(json.loads(line)["index"]))
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn last line from a crash: that request runs again
+    return done
+
+
+class OutputWriter:
+    """Rank 0 only. Lines are appended and flushed as requests finish, so a crash loses nothing
+    that was done; close() rewrites the file in input order (atomically)."""
+
+    def __init__(self, path: str | None, overwrite: bool, resume: bool, tokenizer=None,
+                 specs: list[RequestSpec] | None = None) -> None:
+        self.path = path
+        self.tokenizer = tokenizer
+        self.prompts = {s.index: s for s in specs or []}
+        self.records: list[dict] = []
+        self._file = None
+        if path is None:
+            return
+        p = Path(path)
+        if p.exists() and not (overwrite or resume):
+            raise ConfigError(
+                f"--output={path} already exists; pass --overwrite to replace it or --resume "
+                f"to continue it")
+        if p.parent and not p.parent.exists():
+            raise ConfigError(f"--output={path}: folder {p.parent} does not exist")
+        if resume and p.exists():
+            self.records = [json.loads(line) for line in p.read_text().splitlines()
+                            if _complete(line)]
+        self._file = open(p, "w", encoding="utf-8")  # noqa: SIM115 - held across the run
+        for record in self.records:
+            self._write(record)
+
+    def add(self, record: dict) -> dict:
+        spec = self.prompts.get(record["index"])
+        if spec is not None:
+            if spec.prompt_text is not None:
+                record["prompt"] = spec.prompt_text
+            else:
+                record["input_ids"] = list(spec.prompt_ids)
+        if self.tokenizer is not None:
+            record["text"] = self.tokenizer.decode(record["output_ids"])
+        self.records.append(record)
+        self._write(record)
+        return record
+
+    def _write(self, record: dict) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        if self._file is None:
+            return
+        self._file.close()
+        self._file = None
+        ordered = sorted(self.records, key=lambda r: r["index"])
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            for record in ordered:
+                f.write(json.dumps(record) + "\n")
+        os.replace(tmp, self.path)
+
+
+def _complete(line: str) -> bool:
+    try:
+        json.loads(line)
+        return True
+    except ValueError:
+        return False
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    k = min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))
+    return values[k]
+
+
+def summarize(records: list[dict], wall_s: float, extra: dict) -> dict:
+    """The rank-0 summary: throughput, tau and its histogram, latency percentiles."""
+    ran = [r for r in records if r["finish_reason"] != "refused"]
+    rounds = [n for r in ran for n in r["accept_lens"]]
+    out_tokens = sum(r["completion_tokens"] for r in ran)
+    ttft = [r["ttft_s"] for r in ran if r["ttft_s"] is not None]
+    tpot = [r["tpot_s"] for r in ran if r["tpot_s"] is not None]
+    return {
+        "requests": len(records),
+        "refused": len(records) - len(ran),
+        "finish_reasons": dict(Counter(r["finish_reason"] for r in records)),
+        "prompt_tokens": sum(r["prompt_tokens"] for r in ran),
+        "output_tokens": out_tokens,
+        "wall_s": wall_s,
+        "output_tokens_per_s": out_tokens / wall_s if wall_s > 0 else None,
+        "rounds": len(rounds),
+        "mean_tau": sum(rounds) / len(rounds) if rounds else None,
+        "tau_histogram": {str(k): v for k, v in sorted(Counter(rounds).items())},
+        "ttft_p50_s": _percentile(ttft, 50),
+        "ttft_p99_s": _percentile(ttft, 99),
+        "tpot_p50_s": _percentile(tpot, 50),
+        "tpot_p99_s": _percentile(tpot, 99),
+        **extra,
+    }
+
+
+def format_summary(s: dict) -> str:
+    tau = "n/a" if s["mean_tau"] is None else f"{s['mean_tau']:.2f}"
+    tps = "n/a" if s["output_tokens_per_s"] is None else f"{s['output_tokens_per_s']:.1f}"
+    lines = [
+        f"requests {s['requests']} (refused {s['refused']}), tokens in {s['prompt_tokens']} "
+        f"out {s['output_tokens']}, wall {s['wall_s']:.2f}s, {tps} tok/s",
+        f"algorithm {s.get('algorithm')}, mean tau {tau} over {s['rounds']} rounds, "
+        f"histogram {s['tau_histogram']}",
+    ]
+    if s["ttft_p50_s"] is not None:
+        lines.append(f"TTFT p50 {s['ttft_p50_s'] * 1e3:.1f} ms p99 {s['ttft_p99_s'] * 1e3:.1f} ms")
+    if s["tpot_p50_s"] is not None:
+        lines.append(f"TPOT p50 {s['tpot_p50_s'] * 1e3:.1f} ms p99 {s['tpot_p99_s'] * 1e3:.1f} ms")
+    return "\n".join(lines)

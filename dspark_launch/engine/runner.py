@@ -1,0 +1,192 @@
+"""Build the job on every rank: models -> memory plan -> pools -> proposer -> prompts -> run."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dspark_launch.args import RunConfig
+from dspark_launch.attention import make_backend
+from dspark_launch.comm import broadcast_object
+from dspark_launch.engine.engine import Engine, EngineLimits
+from dspark_launch.engine.inputs import BUILTIN_PROMPTS, build_specs, read_prompt_file
+from dspark_launch.engine.output import (
+    OutputWriter,
+    completed_indices,
+    format_summary,
+    refused_record,
+    summarize,
+)
+from dspark_launch.errors import ConfigError
+from dspark_launch.log import logger
+from dspark_launch.memory.budget import configure_memory, measure_free_bytes
+from dspark_launch.memory.build import build_kv_memory
+from dspark_launch.memory.geometry import KVGeometry
+from dspark_launch.models.loader import load_model
+from dspark_launch.parallel import get_parallel
+from dspark_launch.spec.factory import draft_kind_of, make_proposer
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets" / "tiny"
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    model: str
+    draft: str | None
+    algorithm: str
+
+
+def resolve_checkpoints(cfg: RunConfig) -> Checkpoints:
+    """Which target, draft and algorithm this run uses (the embedded model when no --model)."""
+    if cfg.model is None:
+        algorithm = cfg.speculative_algorithm or "DSPARK"
+        model = ASSETS / "target"
+        if not (model / "config.json").is_file():
+            raise ConfigError(f"no --model given and the embedded model is missing at {model}")
+        draft = None
+        if algorithm in ("DFLASH", "DSPARK"):
+            draft = ASSETS / algorithm.lower()
+            if not (draft / "config.json").is_file():
+                raise ConfigError(f"the embedded {algorithm} draft is missing at {draft}")
+        return Checkpoints(str(model), None if draft is None else str(draft), algorithm)
+    algorithm = cfg.speculative_algorithm
+    if algorithm is None:
+        algorithm = draft_kind_of(cfg.draft) if cfg.draft else "NONE"
+    if algorithm in ("DFLASH", "DSPARK") and draft_kind_of(cfg.draft) != algorithm:
+        raise ConfigError(
+            f"--speculative-algorithm {algorithm} but --draft={cfg.draft} is a "
+            f"{draft_kind_of(cfg.draft)} checkpoint")
+    return Checkpoints(cfg.model, cfg.draft, algorithm)
+
+
+def target_geometry(model) -> KVGeometry:
+    c = model.config
+    return KVGeometry("target", c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+                      c.head_dim, model.dtype)
+
+
+def load_tokenizer(model_dir: str):
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
+
+
+def read_requests(cfg: RunConfig, tokenizer, context_limit: int, vocab_size: int):
+    """Rank 0 reads and tokenizes; every rank gets the same specs (or the same error)."""
+    state = get_parallel()
+    payload: object = None
+    if state.rank == 0:
+        try:
+            if cfg.prompts is not None:
+                rows, source = read_prompt_file(cfg.prompts), f"--prompts={cfg.prompts}"
+            elif cfg.prompt is not None:
+                rows, source = [{"prompt": cfg.prompt}], "--prompt"
+            else:
+                rows, source = [{"prompt": p} for p in BUILTIN_PROMPTS], "built-in prompts"
+            payload = build_specs(rows, tokenizer, cfg.max_new_tokens, cfg.temperature,
+                                  context_limit, vocab_size, source)
+        except ConfigError as err:
+            payload = err
+    payload = broadcast_object(payload)
+    if isinstance(payload, ConfigError):
+        raise payload
+    return payload
+
+
+def run_job(cfg: RunConfig) -> int:
+    state = get_parallel()
+    device = state.device
+    ckpt = resolve_checkpoints(cfg)
+    free_before = measure_free_bytes(device) if device.type == "cuda" else None
+    target = load_model(ckpt.model, cfg.dtype, device)
+    proposer_parts = make_proposer(cfg, ckpt.algorithm, ckpt.draft, target, device)
+    plan = configure_memory(cfg, target_geometry(target), proposer_parts.geometry, device,
+                            free_before)
+    round_rows = max(1 + proposer_parts.max_drafts, proposer_parts.block_rows)
+    model_limit = cfg.context_length or target.config.max_position_embeddings
+    context_limit = min(model_limit, plan.max_total_tokens - round_rows + 1)
+    if context_limit < 2:
+        raise ConfigError(
+            f"the KV pool holds {plan.max_total_tokens} tokens per rank, too few for one "
+            f"round of {round_rows} rows; raise --kv-cache-memory or --max-total-tokens")
+    memory = build_kv_memory(plan, target_geometry(target), proposer_parts.geometry,
+                             cfg.max_running_requests, context_limit + round_rows, device)
+    backend = make_backend(cfg.attention_backend, device)
+    proposer = proposer_parts.build(memory, backend)
+    if state.rank == 0:
+        logger.info(
+            "target %s (%s), algorithm %s%s, KV: %d tokens/rank (cells target %d + draft %d "
+            "bytes), context limit %d, attention %s",
+            ckpt.model, str(target.dtype).replace("torch.", ""), ckpt.algorithm,
+            f" draft {ckpt.draft}" if ckpt.draft else "", plan.max_total_tokens,
+            plan.target_cell, plan.draft_cell, context_limit, backend.name)
+
+    tokenizer = load_tokenizer(ckpt.model)
+    specs = read_requests(cfg, tokenizer, context_limit, target.config.vocab_size)
+    skip = completed_indices(cfg.output) if cfg.resume and cfg.output else set()
+    writer = None
+    if state.rank == 0:
+        writer = OutputWriter(cfg.output, cfg.overwrite, cfg.resume, tokenizer, specs)
+        for spec in specs:
+            if spec.refused and spec.index not in skip:
+                writer.add(refused_record(spec))
+    runnable = [s for s in specs if not s.refused and s.index not in skip]
+    limits = EngineLimits(
+        max_running=cfg.max_running_requests, chunk_size=cfg.chunked_prefill_size,
+        context_limit=context_limit, eos_ids=tuple(target.config.eos_token_ids), seed=cfg.seed,
+        top_k=cfg.top_k, top_p=cfg.top_p)
+    engine = Engine(target, proposer, memory, backend, limits)
+    progress = _progress_bar(cfg, len(runnable)) if state.rank == 0 else None
+
+    def on_finish(records: list[dict]) -> None:
+        if writer is None:
+            return
+        for record in records:
+            writer.add(record)
+            if cfg.output is None:
+                print(json.dumps({"id": record["id"], "text": record.get("text"),
+                                  "output_ids": record["output_ids"]}), flush=True)
+        if progress is not None:
+            progress.update(len(records))
+
+    start = time.perf_counter()
+    try:
+        engine.run(runnable, on_finish)
+    finally:
+        if progress is not None:
+            progress.close()
+        if writer is not None:
+            writer.close()
+    wall = time.perf_counter() - start
+    if not memory.space.is_full():
+        raise RuntimeError("KV rows leaked: the allocator is not full after every request ended")
+    if state.rank == 0:
+        summary = summarize(writer.records, wall, {
+            "algorithm": ckpt.algorithm,
+            "steps": engine.steps,
+            "topology": {"world_size": state.world_size, "tp_size": state.tp_size,
+                         "attn_tp_size": state.attn_tp_size, "attn_dp_size": state.attn_dp_size},
+            "memory_plan": plan.to_dict(),
+            "context_limit": context_limit,
+            "dtype": str(target.dtype).replace("torch.", ""),
+        })
+        logger.info("summary:\n%s", format_summary(summary))
+        if cfg.metrics_json:
+            Path(cfg.metrics_json).write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+def _progress_bar(cfg: RunConfig, total: int):
+    import sys
+
+    if not (cfg.progress or sys.stderr.isatty()):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req", dynamic_ncols=True)
+
