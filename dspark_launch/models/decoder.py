@@ -1,0 +1,100 @@
+"""The Qwen3/Llama decoder layer (attention over attn_tp, MLP over tp).
+
+Kept apart from the causal-LM wrapper so the DFlash/DSpark drafts can reuse the MLP, the
+norms and the attention's projections with their own attention wiring.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dspark_launch.attention import AttentionBackend, ForwardMetadata
+from dspark_launch.parallel import get_parallel
+
+from .config import ModelConfig
+from .layers import (
+    DPTokens,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    apply_rotary,
+    silu_and_mul,
+)
+
+
+class Attention(nn.Module):
+    """Local heads only: qkv/o are sharded over attn_tp, o's partial sums reduced there."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
+                 ) -> None:
+        super().__init__()
+        p = get_parallel()
+        hd = cfg.head_dim
+        self.head_dim, self.scale = hd, hd ** -0.5
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, hd, cfg.num_attention_heads, cfg.num_key_value_heads,
+            bias=cfg.attention_bias, shards=p.attn_tp_size, rank=p.attn_tp_rank,
+            dtype=dtype, device=device)
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * hd, cfg.hidden_size, bias=cfg.attention_bias,
+            shards=p.attn_tp_size, rank=p.attn_tp_rank, group=p.attn_tp_group,
+            dtype=dtype, device=device)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, d] -> q [T, Hq_l, hd], k [T, Hkv_l, hd] (normed, rotated), v [T, Hkv_l, hd]."""
+        t, hd = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q, k, v = q.view(t, -1, hd), k.view(t, -1, hd), v.view(t, -1, hd)
+        if self.q_norm is not None:  # Qwen3: per-head RMSNorm BEFORE RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: ForwardMetadata, backend: AttentionBackend,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)
+        o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, Hq_l, hd]
+        return self.o_proj(o.reshape(x.shape[0], -1))  # [T, d], reduced over attn_tp
+
+
+class MLP(nn.Module):
+    """SiLU-gated MLP sharded over the FULL tp group (rows already DP-gathered)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        p = get_parallel()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size], bias=False,
+            shards=p.tp_size, rank=p.tp_rank, dtype=dtype, device=device)
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=False, shards=p.tp_size, rank=p.tp_rank,
+            group=p.tp_group, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, d] -> [N, d], reduced over tp
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
+                 ) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, dtype, device)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
+                                                device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: ForwardMetadata, backend: AttentionBackend, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, dp: DPTokens) -> torch.Tensor:  # [T, d] -> [T, d]
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, backend,
+                               k_cache, v_cache)
+        # Every TP rank joins gather/MLP/reduce even with T == 0 (idle attn_dp group).
+        mlp_out = self.mlp(dp.gather(self.post_attention_layernorm(h)))  # [sum_len, d]
+        return h + dp.scatter(mlp_out)

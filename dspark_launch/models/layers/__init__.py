@@ -1,0 +1,31 @@
+"""Tensor-parallel building blocks shared by the target and the draft models."""
+
+from .activation import silu_and_mul
+from .dp_gather import DPTokens
+from .embedding import ParallelLMHead, VocabParallelEmbedding
+from .linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from .norm import RMSNorm
+from .rotary import RotaryEmbedding, apply_rotary
+from .weights import ShapeMismatch, default_weight_loader, new_param
+
+__all__ = [
+    "ColumnParallelLinear",
+    "DPTokens",
+    "MergedColumnParallelLinear",
+    "ParallelLMHead",
+    "QKVParallelLinear",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "RowParallelLinear",
+    "ShapeMismatch",
+    "VocabParallelEmbedding",
+    "apply_rotary",
+    "default_weight_loader",
+    "new_param",
+    "silu_and_mul",
+]
