@@ -13,12 +13,8 @@ from pathlib import Path
 from dspark_launch.engine.request import RequestSpec
 from dspark_launch.errors import ConfigError
 
-BUILTIN_PROMPTS = (
-    "def fibonacci(n):\n",
-    "import os\nimport sys\n\n\ndef main():\n",
-    "class Stack:\n    def __init__(self):\n",
-    "def read_config(path):\n    with open(path) as f:\n",
-)
+# Code windows from the embedded model's held-out files (scripts/make_prompts.py).
+BUILTIN_PROMPTS = Path(__file__).resolve().parent.parent / "assets" / "prompts" / "heldout.jsonl"
 
 
 def read_prompt_file(path: str) -> list[dict]:

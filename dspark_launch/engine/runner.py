@@ -87,7 +87,7 @@ def read_requests(cfg: RunConfig, tokenizer, context_limit: int, vocab_size: int
             elif cfg.prompt is not None:
                 rows, source = [{"prompt": cfg.prompt}], "--prompt"
             else:
-                rows, source = [{"prompt": p} for p in BUILTIN_PROMPTS], "built-in prompts"
+                rows, source = read_prompt_file(str(BUILTIN_PROMPTS)), "built-in prompts"
             payload = build_specs(rows, tokenizer, cfg.max_new_tokens, cfg.temperature,
                                   context_limit, vocab_size, source)
         except ConfigError as err:
