@@ -47,9 +47,11 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, d] -> q [T, Hq_l, hd], k [T, Hkv_l, hd] (normed, rotated), v [T, Hkv_l, hd]."""
-        t, hd = x.shape[0], self.head_dim
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q, k, v = q.view(t, -1, hd), k.view(t, -1, hd), v.view(t, -1, hd)
+        t, hd, qkv = x.shape[0], self.head_dim, self.qkv_proj
+        q, k, v = qkv.split(qkv(x))
+        # Explicit head counts (not -1): an idle batch has T == 0.
+        q, k, v = q.view(t, qkv.q_heads, hd), k.view(t, qkv.kv_heads, hd), \
+            v.view(t, qkv.kv_heads, hd)
         if self.q_norm is not None:  # Qwen3: per-head RMSNorm BEFORE RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
@@ -59,7 +61,8 @@ class Attention(nn.Module):
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         q, k, v = self.project(x, cos, sin)
         o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, Hq_l, hd]
-        return self.o_proj(o.reshape(x.shape[0], -1))  # [T, d], reduced over attn_tp
+        # [T, Hq_l * hd] -> [T, d], partial sums reduced over attn_tp
+        return self.o_proj(o.reshape(x.shape[0], self.qkv_proj.q_size))
 
 
 class MLP(nn.Module):
