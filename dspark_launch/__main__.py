@@ -62,7 +62,7 @@ def report_topology() -> list[dict]:
             state.backend,
         )
         for row in everyone:
-            print("LAYOUT " + json.dumps(row, sort_keys=True), flush=True)
+            logger.info("LAYOUT %s", json.dumps(row, sort_keys=True))
     return everyone
 
 

@@ -18,9 +18,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _layouts(stdout: str) -> list[dict]:
-    rows = [json.loads(line[len("LAYOUT "):]) for line in stdout.splitlines()
-            if line.startswith("LAYOUT ")]
+def _layouts(log: str) -> list[dict]:
+    rows = [json.loads(line.split("LAYOUT ", 1)[1]) for line in log.splitlines()
+            if "LAYOUT " in line]
     return sorted(rows, key=lambda r: r["rank"])
 
 
@@ -31,7 +31,7 @@ def test_torchrun_four_ranks_report_the_layout() -> None:
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = _layouts(proc.stdout)
+    rows = _layouts(proc.stderr)
     assert [r["rank"] for r in rows] == [0, 1, 2, 3]
     for r in rows:
         assert (r["tp_size"], r["attn_tp_size"], r["attn_dp_size"]) == (4, 2, 2)
@@ -59,7 +59,7 @@ def test_two_nodes_on_loopback_span_the_node_boundary() -> None:
     outs = [a.communicate(timeout=240) for a in agents]
     for agent, (_, err) in zip(agents, outs):
         assert agent.returncode == 0, err[-3000:]
-    rows = _layouts(outs[0][0])  # rank 0 lives on node 0 and prints everyone's layout
+    rows = _layouts(outs[0][1])  # rank 0 lives on node 0 and logs everyone's layout
     assert [(r["rank"], r["node_rank"], r["local_rank"]) for r in rows] == [
         (0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1),
     ]
