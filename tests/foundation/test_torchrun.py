@@ -7,9 +7,24 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
+from checkpoints import write_checkpoint
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Flags for a tiny real job: a random checkpoint that shards over 4 ranks, two prompts."""
+    root = tmp_path_factory.mktemp("torchrun")
+    model = write_checkpoint(root / "model", "qwen3", num_layers=1)
+    prompts = Path(root / "prompts.jsonl")
+    prompts.write_text('{"input_ids": [5, 6, 7]}\n{"input_ids": [9, 10]}\n')
+    return ["--model", str(model), "--prompts", str(prompts), "--max-new-tokens", "3",
+            "--kv-cache-memory", "8MiB"]
 
 
 def _free_port() -> int:
@@ -24,10 +39,10 @@ def _layouts(log: str) -> list[dict]:
     return sorted(rows, key=lambda r: r["rank"])
 
 
-def test_torchrun_four_ranks_report_the_layout() -> None:
+def test_torchrun_four_ranks_report_the_layout(job: list[str]) -> None:
     cmd = TORCHRUN + [
         "--nproc-per-node", "4", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-        "-m", "dspark_launch", "--dp-size", "2", "--enable-dp-attention",
+        "-m", "dspark_launch", "--dp-size", "2", "--enable-dp-attention", *job,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -43,14 +58,14 @@ def test_torchrun_four_ranks_report_the_layout() -> None:
     assert proc.stderr.count("--enable-dp-attention is deprecated") == 1
 
 
-def test_two_nodes_on_loopback_span_the_node_boundary() -> None:
+def test_two_nodes_on_loopback_span_the_node_boundary(job: list[str]) -> None:
     port = _free_port()
     agents = [
         subprocess.Popen(
             TORCHRUN + [
                 "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
                 "--master-addr", "127.0.0.1", "--master-port", str(port),
-                "-m", "dspark_launch", "--attn-dp-size", "1",
+                "-m", "dspark_launch", "--attn-dp-size", "1", *job,
             ],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
         )
