@@ -1,0 +1,75 @@
+"""ModelConfig parsing: both rope spellings, eos sources, defaults, dtype override."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dspark_launch.errors import ConfigError
+from dspark_launch.models.config import ModelConfig, parse_dtype
+
+BASE = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "vocab_size": 100,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 1024,
+}
+
+
+def test_rope_spellings_and_defaults():
+    old = ModelConfig.from_dict({**BASE, "rope_theta": 5e5, "eos_token_id": 7})
+    new = ModelConfig.from_dict({**BASE, "rope_parameters": {"rope_type": "default",
+                                                             "rope_theta": 5e5}})
+    assert old.rope_theta == new.rope_theta == 5e5
+    assert old.num_key_value_heads == 8 and old.head_dim == 8  # defaults: heads, d / heads
+    assert old.eos_token_ids == (7,) and new.eos_token_ids == ()
+    assert old.qk_norm and old.dtype == torch.float32
+
+
+def test_explicit_head_dim_and_llama():
+    cfg = ModelConfig.from_dict({**BASE, "architectures": ["LlamaForCausalLM"],
+                                 "head_dim": 32, "num_key_value_heads": 2,
+                                 "rope_theta": 1e4, "dtype": "bfloat16"})
+    assert cfg.head_dim == 32 and not cfg.qk_norm and cfg.dtype == torch.bfloat16
+
+
+def test_generation_config_eos_wins():
+    cfg = ModelConfig.from_dict({**BASE, "rope_theta": 1e4, "eos_token_id": 3},
+                                {"eos_token_id": [4, 5]})
+    assert cfg.eos_token_ids == (4, 5)
+
+
+def test_from_pretrained_reads_generation_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, "rope_theta": 1e4,
+                                                      "torch_dtype": "float16"}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 9}))
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    assert cfg.eos_token_ids == (9,) and cfg.dtype == torch.float16
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"architectures": ["GPT2LMHeadModel"]}, "GPT2LMHeadModel"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "'linear'"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads=3"),
+    ({"vocab_size": None}, "vocab_size"),
+])
+def test_refusals(change, needle):
+    raw = {**BASE, "rope_theta": 1e4, **change}
+    if raw.get("vocab_size") is None:
+        raw.pop("vocab_size")
+    with pytest.raises(ConfigError, match=needle):
+        ModelConfig.from_dict(raw)
+
+
+def test_parse_dtype():
+    assert parse_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert parse_dtype("torch.float16") == torch.float16
+    with pytest.raises(ConfigError, match="int8"):
+        parse_dtype("int8")
