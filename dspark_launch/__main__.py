@@ -7,13 +7,22 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
+import traceback
 
 import torch
+import torch.distributed as dist
 
 from dspark_launch.args import RunConfig, resolve_config
-from dspark_launch.errors import LaunchError
+from dspark_launch.errors import ConfigError, LaunchError
+from dspark_launch.failure import (
+    Interrupted,
+    describe_collective_failure,
+    install_signal_handlers,
+    progress,
+)
 from dspark_launch.log import logger, setup_logging
 from dspark_launch.parallel import (
     ParallelState,
@@ -33,6 +42,7 @@ def layout_report(state: ParallelState) -> dict:
         "node_rank": state.node_rank,
         "local_rank": state.local_rank,
         "host": socket.gethostname(),
+        "pid": os.getpid(),
         "world_size": state.world_size,
         "tp_size": state.tp_size,
         "tp_rank": state.tp_rank,
@@ -67,15 +77,42 @@ def report_topology() -> list[dict]:
 
 
 def run(cfg: RunConfig) -> int:
+    install_signal_handlers()
+    progress.phase, progress.step = "startup", 0
     state = init_parallel_runtime(cfg)
     setup_logging(state.rank, cfg.log_all_ranks, cfg.log_level)
     if state.rank == 0:
         for warning in cfg.warnings:
             logger.warning(warning)
-    report_topology()
-    from dspark_launch.engine.runner import run_job
+    try:
+        report_topology()
+        from dspark_launch.engine.runner import run_job
 
-    return run_job(cfg)
+        return run_job(cfg)
+    except LaunchError as err:
+        # Configuration is the same on every rank, so rank 0 says it once.
+        if isinstance(err, (Interrupted, ConfigError)) and state.rank != 0:
+            return err.exit_code
+        raise
+    except Exception as err:  # noqa: BLE001 - every failure ends as one named line
+        if is_collective_failure(err):
+            speak, line = describe_collective_failure(state.rank, state.world_size, err)
+            if speak:
+                print(f"dspark_launch: error: {line}", file=sys.stderr, flush=True)
+        else:
+            print(f"dspark_launch: error: rank {state.rank} failed during {progress.where()}: "
+                  f"{type(err).__name__}: {err}\n{traceback.format_exc()}", file=sys.stderr,
+                  flush=True)
+        return 1
+
+
+def is_collective_failure(err: BaseException) -> bool:
+    """A collective broke because of another rank (its death, or a timeout), not this one."""
+    if isinstance(err, dist.DistError):
+        return True
+    text = str(err)
+    return any(s in text for s in ("Connection closed by peer", "Connection reset", "gloo",
+                                   "Timed out", "timed out", "NCCL", "Broken pipe"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as err:
         print(f"dspark_launch: error: {err}", file=sys.stderr, flush=True)
         return err.exit_code
+    except KeyboardInterrupt:  # a second Ctrl-C: stop without waiting for the step boundary
+        return 130
     finally:
         destroy_parallel_runtime()
 

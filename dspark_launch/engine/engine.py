@@ -21,6 +21,7 @@ from dspark_launch.comm import all_gather_ints
 from dspark_launch.engine.output import request_record
 from dspark_launch.engine.request import Request, RequestSpec, Status
 from dspark_launch.engine.scheduler import Scheduler, StepPlan
+from dspark_launch.failure import Interrupted, inject_fault, progress, received_signal
 from dspark_launch.parallel import get_parallel
 from dspark_launch.spec.proposer import Proposer
 from dspark_launch.spec.sampling import GREEDY_EPS, probs_from_logits, request_generator, sample
@@ -76,20 +77,29 @@ class Engine:
         sched = Scheduler(mine, self.space, self.limits.max_running, self.limits.chunk_size,
                           self._round_rows)
         pending: list[Request] = []  # finished here, not yet reported
+        progress.phase = "decode"
         while True:
+            progress.step = self.steps
             plan = sched.schedule()
             if plan.empty and sched.has_work:
                 pending.append(self._unstick(sched))
-            flags = all_gather_ints([int(not plan.empty), int(sched.has_work), len(pending)])
+            # One small all-gather per step: who has tokens, who has work, who finished
+            # something, and whether any rank was asked to stop (so all stop after this step).
+            flags = all_gather_ints([int(not plan.empty), int(sched.has_work), len(pending),
+                                     received_signal()])
             if any(f[2] for f in flags):
                 gathered = self._gather_finished(pending)
                 if on_finish is not None:
                     on_finish(gathered)
                 pending = []
+            stop = max(f[3] for f in flags)
+            if stop:
+                raise Interrupted(stop)
             if not any(f[0] for f in flags):
                 if not any(f[1] for f in flags):
                     break
                 continue
+            inject_fault(get_parallel().rank, self.steps)
             # Some group has tokens: every rank joins the target forward, idle ones with none.
             pending = self._step(plan, sched) if not plan.empty else self._idle_forward()
             self.steps += 1

@@ -1,0 +1,149 @@
+"""A dead, failing, stuck or signalled rank never leaves a hung job (real torchrun, real signals).
+
+Faults are injected with DSPARK_FAULT=RANK:STEP:raise|kill|hang, which makes that rank raise,
+SIGKILL itself, or sleep forever at the start of that decode step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from checkpoints import write_checkpoint
+
+LAUNCH = [sys.executable, "-m", "dspark_launch.launch", "--nproc-per-node", "2",
+          "--standalone", "-m", "dspark_launch"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("failure")
+    model = write_checkpoint(root / "model", "qwen3", num_layers=2)
+    rng = random.Random(0)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(
+        json.dumps({"input_ids": [rng.randrange(2, 256) for _ in range(rng.randint(3, 12))]}) + "\n"
+        for _ in range(32)))
+    flags = ["--model", str(model), "--prompts", str(prompts), "--max-new-tokens", "24",
+             "--kv-cache-memory", "4MiB", "--max-running-requests", "4"]
+    return {"root": root, "flags": flags}
+
+
+def _pids(stderr: str) -> list[int]:
+    return [json.loads(line.split("LAYOUT ", 1)[1])["pid"] for line in stderr.splitlines()
+            if "LAYOUT " in line]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _run(cmd: list[str], env: dict | None = None, timeout: float = 120) -> tuple[int, str, float]:
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or ENV)
+    return proc.returncode, proc.stderr, time.monotonic() - start
+
+
+def _errors(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("dspark_launch: error:")]
+
+
+def test_sigkill_of_one_rank_ends_the_job_and_names_it(job: dict) -> None:
+    out = job["root"] / "kill.jsonl"
+    rc, err, wall = _run(LAUNCH + job["flags"] + ["--output", str(out), "--dist-timeout", "60"],
+                         {**ENV, "DSPARK_FAULT": "1:3:kill"})
+    assert rc == 1
+    assert wall < 60, "the survivors must notice the dead peer long before --dist-timeout"
+    assert "rank(s) [1] of 2 stopped answering during step 3" in err
+    assert "dspark_launch: error: rank 1 (local_rank 1) ended with signal SIGKILL" in err
+    assert not [p for p in _pids(err) if _alive(p)]
+
+
+def test_exception_in_one_rank_is_reported_once_with_traceback(job: dict) -> None:
+    out = job["root"] / "raise.jsonl"
+    rc, err, _ = _run(LAUNCH + job["flags"] + ["--output", str(out)],
+                      {**ENV, "DSPARK_FAULT": "1:3:raise"})
+    assert rc == 1
+    failed = [e for e in _errors(err) if "failed during" in e]
+    assert failed == ["dspark_launch: error: rank 1 failed during step 3: ValueError: fault "
+                      "injected by DSPARK_FAULT=1:3:raise"]
+    assert "Traceback" in err and "inject_fault" in err
+    assert not [p for p in _pids(err) if _alive(p)]
+
+
+def test_stuck_rank_times_out_and_is_named(job: dict) -> None:
+    out = job["root"] / "hang.jsonl"
+    rc, err, wall = _run(LAUNCH + job["flags"] + ["--output", str(out), "--dist-timeout", "4"],
+                         {**ENV, "DSPARK_FAULT": "1:3:hang"})
+    assert rc == 1
+    assert wall < 60
+    assert "rank(s) [1] of 2 stopped answering during step 3" in err
+    assert not [p for p in _pids(err) if _alive(p)]
+
+
+def _start(cmd: list[str], out: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=ENV)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if out.exists() and len(out.read_text().splitlines()) >= 3:
+            return proc
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("the job produced no output to interrupt")
+
+
+def _records(path: Path) -> dict[int, list[int]]:
+    lines = path.read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    indices = [r["index"] for r in records]
+    assert indices == sorted(set(indices)), "lines must be unique and in input order"
+    return {r["index"]: r["output_ids"] for r in records}
+
+
+@pytest.fixture(scope="module")
+def reference(job: dict) -> dict[int, list[int]]:
+    out = job["root"] / "reference.jsonl"
+    rc, err, _ = _run([sys.executable, "-m", "dspark_launch", *job["flags"], "--output", str(out)])
+    assert rc == 0, err[-2000:]
+    return _records(out)
+
+
+def test_sigterm_writes_completed_requests_and_exits_143(job: dict, reference: dict) -> None:
+    out = job["root"] / "term.jsonl"
+    proc = _start(LAUNCH + job["flags"] + ["--output", str(out)], out)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143
+    done = _records(out)
+    assert 3 <= len(done) < 32
+    assert all(done[i] == reference[i] for i in done)
+    assert "interrupted by SIGTERM" in err
+    assert not [p for p in _pids(err) if _alive(p)]
+
+
+def test_resume_after_interrupt_equals_an_uninterrupted_run(job: dict, reference: dict) -> None:
+    out = job["root"] / "resume.jsonl"
+    proc = _start([sys.executable, "-m", "dspark_launch", *job["flags"], "--output", str(out)],
+                  out)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    partial = _records(out)
+    assert 0 < len(partial) < 32
+    rc, err, _ = _run([sys.executable, "-m", "dspark_launch", *job["flags"], "--output",
+                       str(out), "--resume"])
+    assert rc == 0, err[-2000:]
+    assert _records(out) == reference
