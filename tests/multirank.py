@@ -27,8 +27,11 @@ class RankError(AssertionError):
     pass
 
 
-def _child(rank: int, world_size: int, port: int, env: dict, fn, args, results) -> None:
+def _child(rank: int, world_size: int, port: int, env: dict, fn, args, results, go) -> None:
     try:
+        # Connect only once every rank is forked: a fork taken while the parent's store thread
+        # holds a glibc lock (it resolves each connecting peer) would inherit the lock held.
+        go.wait()
         os.environ.update(env)
         os.environ.update(
             RANK=str(rank),
@@ -66,16 +69,18 @@ def run_world(
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("fork")
     results = ctx.Queue()
+    go = ctx.Event()
     procs = [
         ctx.Process(
             target=_child,
-            args=(rank, world_size, store.port, env or {}, fn, args, results),
+            args=(rank, world_size, store.port, env or {}, fn, args, results, go),
             daemon=True,
         )
         for rank in range(world_size)
     ]
     for proc in procs:
         proc.start()
+    go.set()
     outcome: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout
     try:
