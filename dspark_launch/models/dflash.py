@@ -89,6 +89,12 @@ class DraftLayer(nn.Module):
 
 
 class DFlashDraft(nn.Module):
+    # Slot rule (models.md §2): the anchor slot is not a proposal; slot j >= 1 predicts the
+    # token AT start+j (mask-predict), so a round proposes B-1 tokens. Logits are computed by
+    # the engine with the TARGET's LM head on slots [first_proposal_slot, B).
+    first_proposal_slot = 1
+    predicts_next = False  # slot j predicts position start+j (not start+j+1)
+
     def __init__(self, cfg: DraftConfig, dtype: torch.dtype | None = None,
                  device: torch.device | str = "cpu") -> None:
         super().__init__()

@@ -88,6 +88,10 @@ class ConfidenceHead(nn.Module):
 
 
 class DSparkDraft(DFlashDraft):
+    # Every slot is a proposal and slot k predicts start+k+1: B proposals, B+1 verified.
+    first_proposal_slot = 0
+    predicts_next = True
+
     def __init__(self, cfg: DraftConfig, dtype: torch.dtype | None = None,
                  device: torch.device | str = "cpu") -> None:
         super().__init__(cfg, dtype, device)

@@ -10,6 +10,7 @@ from _draft_reference import ref_block, ref_sample_greedy, rms, rope, run_draft
 from draft_checkpoints import tiny_target_config, write_draft
 from safetensors.torch import load_file
 
+from dspark_launch.attention import build_metadata, make_backend
 from dspark_launch.memory.geometry import KVGeometry
 from dspark_launch.memory.kv_pool import KVPool
 from dspark_launch.models.draft_loader import load_draft
@@ -124,3 +125,25 @@ def test_one_context_projection_shared_by_layers(tmp_path):
         torch.testing.assert_close(pool.k[layer][rows], k, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(pool.v[layer][rows], v, atol=1e-6, rtol=1e-5)
         assert pool.k[layer][0].abs().sum() == 0  # nothing written outside `rows`
+
+
+def test_slot_rules():
+    from dspark_launch.models.dflash import DFlashDraft
+    from dspark_launch.models.dspark import DSparkDraft
+    assert (DFlashDraft.first_proposal_slot, DFlashDraft.predicts_next) == (1, False)
+    assert (DSparkDraft.first_proposal_slot, DSparkDraft.predicts_next) == (0, True)
+
+
+def test_empty_batch(tmp_path):
+    """An idle attn_dp group runs the draft with no tokens: nothing breaks, nothing is written."""
+    draft, _, _, _, _ = _case(tmp_path, "DSPARK")
+    cfg = draft.config
+    pool = KVPool(KVGeometry("draft", cfg.num_hidden_layers, cfg.num_key_value_heads,
+                             cfg.head_dim, cfg.head_dim, torch.float32), 8, "cpu")
+    empty = torch.zeros(0, dtype=torch.int64)
+    draft.materialize(torch.zeros(0, cfg.num_features * cfg.hidden_size), empty, empty, pool)
+    meta = build_metadata(torch.zeros(1, 8, dtype=torch.int64), [], [], [], mask_mode="none")
+    out = draft.forward_block(torch.zeros(0, cfg.hidden_size), meta,
+                              make_backend("torch", "cpu"), pool)
+    assert tuple(out.shape) == (0, cfg.hidden_size)
+    assert all(t.abs().sum() == 0 for t in (*pool.k, *pool.v))
