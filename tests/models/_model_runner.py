@@ -20,10 +20,12 @@ from dspark_launch.models.qwen3 import CausalLM
 
 @dataclass
 class StepOut:
+    hidden: torch.Tensor  # [T, d] final-normed
     logits: torch.Tensor  # [T, V] every row of the forward
     last_logits: torch.Tensor  # [B, V] the last row of each request
     greedy: list[int]  # [B] distributed argmax of the last rows
     captured: torch.Tensor | None  # [T, m*d]
+    last_captured: torch.Tensor | None  # [B, m*d]
 
 
 class Runner:
@@ -58,7 +60,9 @@ class Runner:
         hidden, captured = self.model(ids, meta, self.backend, self.pool, capture)
         last = torch.cumsum(torch.tensor(q_lens, dtype=torch.int64), 0) - 1
         logits = self.model.logits(hidden)
-        return StepOut(logits, logits[last], self.model.greedy(hidden[last]).tolist(), captured)
+        greedy = self.model.greedy(hidden[last]).tolist()
+        return StepOut(hidden, logits, logits[last], greedy, captured,
+                       None if captured is None else captured[last])
 
 
 def generate(model: CausalLM, prompts: list[list[int]], n_new: int

@@ -3,8 +3,8 @@
 Requests are spread over the attn_dp groups (request j -> group j % attn_dp) and start at
 different steps, so some groups run idle batches (0 tokens) in some steps while the others
 prefill or decode: the idle ones must still join every collective. tp1 runs the same
-schedule in one group. Tolerance: logits atol/rtol 1e-4 (fp32; only reduction order
-differs); tokens identical.
+schedule in one group. Captured layer outputs are compared too. Tolerance: logits and
+features atol/rtol 1e-4 (fp32; only reduction order differs); tokens identical.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ REQUESTS = [
     ([60, 61, 62, 63, 64, 65, 66, 67, 68, 69], 1, 3),
 ]
 N_STEPS = max(start + n for _, start, n in REQUESTS)
+CAPTURE = (1, -1)  # the draft's target_layer_ids: layer outputs under DP attention too
 
 
 def _serve(rank: int, path: str, world: int, attn_dp: int) -> dict:
@@ -57,11 +58,12 @@ def _serve(rank: int, path: str, world: int, attn_dp: int) -> dict:
                 continue
             who.append(j)
         idle_steps += not batch
-        out = runner.step(batch)  # an empty batch still runs the whole forward
+        out = runner.step(batch, CAPTURE)  # an empty batch still runs the whole forward
         assert out.logits.shape == (sum(len(t) for _, t in batch), model.config.vocab_size)
-        for j, tok, row in zip(who, out.greedy, out.last_logits):
+        assert out.captured.shape == (out.logits.shape[0], 2 * model.config.hidden_size)
+        for j, tok, row, feats in zip(who, out.greedy, out.last_logits, out.last_captured):
             tokens[j].append(tok)
-            logits[j].append(row)
+            logits[j].append(torch.cat([row, feats]))  # logits, then captured features
     # Plain lists: tensors would travel as shared-memory handles the exiting child revokes.
     rows = {j: [r.tolist() for r in v] for j, v in logits.items()}
     return {"tokens": tokens, "logits": rows, "idle_steps": idle_steps}

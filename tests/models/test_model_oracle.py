@@ -81,3 +81,23 @@ def test_greedy_equals_argmax_of_logits(ckpt):
         assert model.greedy(hidden).tolist() == model.logits(hidden).argmax(-1).tolist()
         ids = torch.tensor([0, 5, model.config.vocab_size - 1])
         torch.testing.assert_close(model.embed(ids), model.model.embed_tokens.weight[ids])
+
+
+def _prefill(model, prompt: list[int]):
+    runner = Runner(model, max_requests=1)
+    return runner.step([(runner.new_request(), prompt)])
+
+
+def test_dtype_auto_and_override(tmp_path):
+    path = write_checkpoint(tmp_path / "bf16", "qwen3", dtype=torch.bfloat16)
+    with override_parallel(1):
+        auto = load_model(path)  # "auto": the checkpoint's dtype
+        assert {p.dtype for p in auto.parameters()} == {torch.bfloat16}
+        assert _prefill(auto, PROMPTS[0]).hidden.dtype == torch.bfloat16
+        up = load_model(path, "float32")  # --dtype override: same weights, fp32 math
+        assert {p.dtype for p in up.parameters()} == {torch.float32}
+        got = _prefill(up, PROMPTS[0]).logits
+    with torch.no_grad():
+        want = load_hf(path)(torch.tensor([PROMPTS[0]])).logits[0]
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+
