@@ -129,9 +129,17 @@ def run_job(cfg: RunConfig) -> int:
     tokenizer = load_tokenizer(ckpt.model)
     specs = read_requests(cfg, tokenizer, context_limit, target.config.vocab_size)
     skip = completed_indices(cfg.output) if cfg.resume and cfg.output else set()
-    writer = None
+    writer, refusal = None, None
     if state.rank == 0:
-        writer = OutputWriter(cfg.output, cfg.overwrite, cfg.resume, tokenizer, specs)
+        try:
+            writer = OutputWriter(cfg.output, cfg.overwrite, cfg.resume, tokenizer, specs)
+        except ConfigError as err:
+            refusal = err
+    # Only rank 0 opens --output; every rank must leave with its refusal, not wait in a step.
+    refusal = broadcast_object(refusal)
+    if refusal is not None:
+        raise refusal
+    if writer is not None:
         for spec in specs:
             if spec.refused and spec.index not in skip:
                 writer.add(refused_record(spec))

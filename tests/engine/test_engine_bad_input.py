@@ -1,0 +1,157 @@
+"""Bad input: one clear line, exit code 2 for configuration errors, no traceback, no hang, and
+per-request refusals that leave every other request's output intact."""
+
+from __future__ import annotations
+
+import pytest
+
+from _jobs import (
+    AMPLE,
+    QUIET,
+    model_args,
+    read_jsonl,
+    run_job,
+    topology,
+    with_tokenizer,
+    write_prompts,
+)
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str]:
+    from dspark_launch.__main__ import main
+
+    rc = main([*argv, *QUIET])
+    err = capsys.readouterr().err
+    return rc, err
+
+
+def assert_one_line_error(err: str, *needles: str) -> None:
+    lines = [x for x in err.splitlines() if x.startswith("dspark_launch: error:")]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_unreadable_prompts_file(tiny, tmp_path, capsys):
+    missing = tmp_path / "nope.jsonl"
+    rc, err = run_main([*model_args(tiny, "NONE"), "--prompts", str(missing), *AMPLE], capsys)
+    assert rc == 2
+    assert_one_line_error(err, f"--prompts={missing}", "cannot read")
+    rc, err = run_main([*model_args(tiny, "NONE"), "--prompts", str(tmp_path), *AMPLE], capsys)
+    assert rc == 2
+    assert_one_line_error(err, "cannot read")
+
+
+def test_malformed_jsonl_line_is_named(tiny, tmp_path, capsys):
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"input_ids": [3, 4]}\n\n{"input_ids": [5, 6]}\n{"input_ids": [7,\n')
+    out = tmp_path / "out.jsonl"
+    rc, err = run_main([*model_args(tiny, "NONE"), "--prompts", str(p), "--output", str(out),
+                        *AMPLE], capsys)
+    assert rc == 2
+    assert_one_line_error(err, "line 4", "not valid JSON")
+    assert not out.exists()
+    p.write_text('{"input_ids": [3, 4]}\n{"text": "no prompt key"}\n')
+    rc, err = run_main([*model_args(tiny, "NONE"), "--prompts", str(p), *AMPLE], capsys)
+    assert rc == 2
+    assert_one_line_error(err, "line 2", "'prompt'", "'input_ids'")
+
+
+@pytest.mark.parametrize("where", ["flag", "line"])
+def test_max_new_tokens_not_positive(tiny, tmp_path, capsys, where):
+    p = write_prompts(tmp_path / "p.jsonl", [{"input_ids": [3, 4]},
+                                             {"input_ids": [5], "max_new_tokens": 0}])
+    if where == "flag":
+        p = write_prompts(tmp_path / "p.jsonl", [{"input_ids": [3, 4]}])
+        argv = ["--max-new-tokens", "0"]
+    else:
+        argv = []
+    rc, err = run_main([*model_args(tiny, "NONE"), "--prompts", str(p), *argv, *AMPLE], capsys)
+    assert rc == 2
+    assert_one_line_error(err, "max_new_tokens" if where == "line" else "--max-new-tokens")
+    if where == "line":
+        assert "line 2" in err
+
+
+def test_empty_and_too_long_prompts_refused_per_request(tiny, tmp_path):
+    """--context-length 16: a 16-token prompt cannot fit one new token; a 15-token one can."""
+    rows = [{"input_ids": [3, 4, 5]}, {"input_ids": []}, {"input_ids": list(range(2, 18))},
+            {"input_ids": list(range(2, 17))}, {"input_ids": [9, 8]}, {"prompt": ""}]
+    p = write_prompts(tmp_path / "p.jsonl", rows)
+    argv = ["--model", str(with_tokenizer(tiny)), "--prompts", str(p), "--max-new-tokens", "4",
+            "--context-length", "16", *AMPLE]
+    job = run_job(tmp_path, "refuse", argv)
+    assert job.rcs == [0]
+    recs = job.records
+    assert [r["index"] for r in recs] == list(range(6))
+    assert [r["finish_reason"] for r in recs] == ["length", "refused", "refused",
+                                                  "context_length", "length", "refused"]
+    assert "empty" in recs[1]["error"] and "empty" in recs[5]["error"]
+    assert "16 tokens" in recs[2]["error"] and "context" in recs[2]["error"]
+    assert recs[2]["output_ids"] == [] and recs[2]["completion_tokens"] == 0
+    assert len(recs[3]["output_ids"]) == 1  # 15 + 1 == the context limit
+    # The requests that ran are exactly what they give when run on their own.
+    ok = [rows[i] for i in (0, 3, 4)]
+    alone = run_job(tmp_path, "alone", [*model_args(tiny, "NONE"), "--prompts",
+                                        str(write_prompts(tmp_path / "ok.jsonl", ok)),
+                                        "--max-new-tokens", "4", "--context-length", "16",
+                                        *AMPLE])
+    assert [recs[i]["output_ids"] for i in (0, 3, 4)] == alone.outputs
+    assert job.metrics["refused"] == 3 and job.metrics["requests"] == 6
+
+
+def test_existing_output_needs_overwrite(tiny, tmp_path, capsys):
+    out = tmp_path / "out.jsonl"
+    out.write_text("precious\n")
+    p = write_prompts(tmp_path / "p.jsonl", [{"input_ids": [3, 4]}])
+    rc, err = run_main([*model_args(tiny, "NONE"), "--prompts", str(p), "--output", str(out),
+                        *AMPLE], capsys)
+    assert rc == 2
+    assert_one_line_error(err, str(out), "--overwrite")
+    assert out.read_text() == "precious\n"
+
+
+def _expect_exit_2(rank, argv):
+    from dspark_launch.__main__ import main
+
+    return main(argv)
+
+
+def test_existing_output_refused_on_every_rank(tiny, tmp_path):
+    """Under a world of 2 the refusal must reach every rank (not leave rank 1 in a collective)."""
+    from multirank import run_world
+
+    out = tmp_path / "out.jsonl"
+    out.write_text("precious\n")
+    p = write_prompts(tmp_path / "p.jsonl", [{"input_ids": [3, 4]}, {"input_ids": [5]}])
+    argv = [*model_args(tiny, "NONE"), *topology(2, 2), "--prompts", str(p), "--output",
+            str(out), "--dist-timeout", "20", *AMPLE, *QUIET]
+    import gc
+
+    gc.collect()
+    assert run_world(2, _expect_exit_2, argv, timeout=40) == [2, 2]
+    assert out.read_text() == "precious\n"
+
+
+def test_bad_prompts_refused_on_every_rank(tiny, tmp_path):
+    from multirank import run_world
+
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"input_ids": [3]}\nnot json\n')
+    argv = [*model_args(tiny, "NONE"), *topology(2, 1), "--prompts", str(p), *AMPLE, *QUIET]
+    import gc
+
+    gc.collect()
+    assert run_world(2, _expect_exit_2, argv, timeout=40) == [2, 2]
+
+
+def test_read_back_refused_line_fields(tiny, tmp_path):
+    p = write_prompts(tmp_path / "p.jsonl", [{"input_ids": []}, {"input_ids": [4]}])
+    job = run_job(tmp_path, "r", [*model_args(tiny, "NONE"), "--prompts", str(p),
+                                  "--max-new-tokens", "2", *AMPLE])
+    rec = read_jsonl(tmp_path / "r.jsonl")[0]
+    for key in ("id", "input_ids", "output_ids", "finish_reason", "prompt_tokens",
+                "completion_tokens", "accept_lens", "ttft_s", "latency_s", "error"):
+        assert key in rec
+    assert job.records[1]["completion_tokens"] == 2 or job.records[1]["output_ids"][-1] == 1
