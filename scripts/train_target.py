@@ -60,14 +60,14 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--intermediate", type=int, default=768)
+    ap.add_argument("--intermediate", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--wd", type=float, default=0.05)
     ap.add_argument("--bf16", type=int, default=1, help="bf16 autocast for matmuls (fp32 master weights)")
     ap.add_argument("--eval-every", type=float, default=5.0, help="minutes between quick held-out evals")
@@ -106,7 +106,7 @@ def main():
             break
         frac = el / budget if not args.max_steps else step / args.max_steps
         for grp in opt.param_groups:
-            grp["lr"] = tc.cosine_lr(frac, args.lr)
+            grp["lr"] = tc.cosine_lr(frac, args.lr, warm=0.05)
         idx = torch.randint(0, len(train) - args.seq_len - 1, (args.batch,), generator=g)
         x = torch.stack([train[i:i + args.seq_len + 1] for i in idx.tolist()]).long()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(args.bf16)):
@@ -119,7 +119,7 @@ def main():
         step += 1
         tokens += x[:, 1:].numel()
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
-        if step % 50 == 0:
+        if step % 50 == 0 or step <= 5:
             el = time.time() - t0
             print(f"step {step} {el/60:.1f}min loss {ema:.3f} lr {opt.param_groups[0]['lr']:.2e} {tokens/el:.0f} tok/s", flush=True)
         if time.time() - t0 >= next_eval:
