@@ -18,10 +18,18 @@ def lookup(ids: list[int], max_n: int, k: int) -> list[int]:
         # Search right to left, excluding the suffix itself.
         for start in range(len(ids) - n - 1, -1, -1):
             if ids[start:start + n] == suffix:
-                follow = ids[start + n:start + n + k]
-                if follow:
-                    return follow
+                return _copy_forward(ids, start + n, k)
     return []
+
+
+def _copy_forward(ids: list[int], src: int, k: int) -> list[int]:
+    """k tokens copied from ids[src:], LZ77-style: a match that ends near the end of the
+    sequence keeps copying what it has just proposed, so a period-p loop proposes the whole
+    block (e.g. [.., 7, 7, 7] -> [7] * k), not just the p tokens left before the end."""
+    seq = list(ids)
+    for i in range(k):
+        seq.append(seq[src + i])
+    return seq[len(ids):]
 
 
 class NgramProposer(Proposer):

@@ -42,6 +42,7 @@ class Assets:
     root: Path
     target: Path
     small_vocab: Path  # vocab 16, no EOS: distribution tests
+    loopy: Path  # tied embeddings, small weights: greedy output falls into loops (NGRAM)
     prompts64: Path  # 64 mixed-length token-id prompts, mixed per-line max_new_tokens
     prompts12: Path  # 12 prompts of lengths 1..34 for the spec matrix
 
@@ -96,6 +97,9 @@ def assets(root: str) -> Assets:
         write_checkpoint(small, "qwen3", vocab_size=16, hidden_size=32, intermediate_size=64,
                          num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, init_std=0.1,
                          generation_eos=[], seed=3)
+    loopy = root_p / "loopy"
+    if not (loopy / "config.json").is_file():
+        write_checkpoint(loopy, "qwen3", **TARGET, tied=True, init_std=0.05)
     lengths = [1, 3, 24, 7, 16, 2, 11, 20, 5, 9, 13, 4, 18, 6, 22, 8]
     rows = []
     for i, ids in enumerate(random_prompts(64, lengths, seed=1)):
@@ -107,7 +111,7 @@ def assets(root: str) -> Assets:
     p12 = write_prompts(root_p / "prompts12.jsonl", [
         {"input_ids": ids} for ids in random_prompts(12, [1, 34, 5, 17, 2, 9, 28, 3, 12, 6,
                                                            21, 14], seed=2)])
-    return Assets(root_p, target, small, p64, p12)
+    return Assets(root_p, target, small, loopy, p64, p12)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -177,21 +181,24 @@ def topology(tp: int, dp: int) -> list[str]:
 
 
 @cache
-def _reference(root: str, prompts: str, max_new: int, out_dir: str) -> tuple[tuple[int, ...], ...]:
-    a = assets(root)
-    job = run_job(Path(out_dir), f"ref_{Path(prompts).stem}_{max_new}",
-                  [*model_args(a, "NONE"), "--prompts", prompts, "--max-new-tokens",
+def _reference(root: str, prompts: str, max_new: int, out_dir: str, model: str
+               ) -> tuple[tuple[int, ...], ...]:
+    job = run_job(Path(out_dir), f"ref_{Path(model).name}_{Path(prompts).stem}_{max_new}",
+                  ["--model", model, "--speculative-algorithm", "NONE", "--prompts", prompts, "--max-new-tokens",
                    str(max_new), "--max-running-requests", "1", *AMPLE])
     assert job.rcs == [0]
     assert all(r["preemptions"] == 0 for r in job.records)
     return tuple(tuple(o) for o in job.outputs)
 
 
-def reference(a: Assets, prompts: Path, max_new: int) -> list[list[int]]:
+def reference(a: Assets, prompts: Path, max_new: int, model: Path | None = None
+              ) -> list[list[int]]:
     """Plain greedy outputs (NONE, tp1, one request at a time) for every prompt line."""
     out = a.root / "ref"
     out.mkdir(exist_ok=True)
-    return [list(o) for o in _reference(str(a.root), str(prompts), max_new, str(out))]
+    model = a.target if model is None else model
+    return [list(o) for o in _reference(str(a.root), str(prompts), max_new, str(out),
+                                        str(model))]
 
 
 def prompt_ids(prompts: Path) -> list[list[int]]:
@@ -282,8 +289,8 @@ class ProposerProbe(Probe):
 
 
 def corrupt(index: int, pos: int, j: int) -> bool:
-    """Which oracle drafts are spoiled: a deterministic ~1-in-4 pattern over (request, pos)."""
-    return (index * 7 + pos * 3 + j * 5) % 4 == 0
+    """Which oracle drafts are spoiled: a deterministic ~1-in-7 pattern over (request, pos)."""
+    return (index * 131 + pos * 31 + j * 17) % 7 == 0
 
 
 def make_drafter(base, full: dict[int, list[int]], mode: str, k: int = 5, vocab: int = VOCAB):
