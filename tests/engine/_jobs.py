@@ -20,14 +20,12 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-import torch
-
 from checkpoints import write_checkpoint
 from draft_checkpoints import write_draft
 from multirank import run_world
 
-# Tiny target (3 layers: features [0, 1] for the drafts): 4 query heads / 2 KV heads shard over attn_tp 1 or 2; MLP (64) and vocab (128)
-# shard over tp up to 8.
+# Tiny target (3 layers: features [0, 1] for the drafts): 4 query heads / 2 KV heads shard
+# over attn_tp 1 or 2; MLP (64) and vocab (128) shard over tp up to 8.
 TARGET = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
               num_kv_heads=2, head_dim=8)
 VOCAB = TARGET["vocab_size"]
@@ -187,8 +185,8 @@ def topology(tp: int, dp: int) -> list[str]:
 def _reference(root: str, prompts: str, max_new: int, out_dir: str, model: str
                ) -> tuple[tuple[int, ...], ...]:
     job = run_job(Path(out_dir), f"ref_{Path(model).name}_{Path(prompts).stem}_{max_new}",
-                  ["--model", model, "--speculative-algorithm", "NONE", "--prompts", prompts, "--max-new-tokens",
-                   str(max_new), "--max-running-requests", "1", *AMPLE])
+                  ["--model", model, "--speculative-algorithm", "NONE", "--prompts", prompts,
+                   "--max-new-tokens", str(max_new), "--max-running-requests", "1", *AMPLE])
     assert job.rcs == [0]
     assert all(r["preemptions"] == 0 for r in job.records)
     return tuple(tuple(o) for o in job.outputs)

@@ -1,6 +1,5 @@
 import pytest
 import torch
-
 from _jobs import Assets, assets
 
 

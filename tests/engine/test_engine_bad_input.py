@@ -4,7 +4,6 @@ per-request refusals that leave every other request's output intact."""
 from __future__ import annotations
 
 import pytest
-
 from _jobs import (
     AMPLE,
     QUIET,

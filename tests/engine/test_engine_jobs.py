@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _jobs import (
     AMPLE,
     QUIET,

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections import defaultdict
 
 import pytest
-
 from _jobs import (
     AMPLE,
     Probe,
