@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -283,3 +284,6 @@ def destroy_parallel_runtime() -> None:
     if dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+    # A destroyed gloo group can linger in a reference cycle; collected later in a forked
+    # child, its destructor waits on threads the child does not have. Collect it now.
+    gc.collect()

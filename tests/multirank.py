@@ -11,6 +11,7 @@ A world of 8 starts in well under a second on 2 cores, where a fresh torchrun co
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -66,6 +67,7 @@ def run_world(
     env: dict[str, str] | None = None,
 ) -> list[Any]:
     """Run fn(rank, *args) on a forked gloo world of `world_size`; results in rank order."""
+    gc.collect()  # no half-dead gloo group may be collected inside a child (it would hang there)
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("fork")
     results = ctx.Queue()
