@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target checkpoint dir (HF format); default: the embedded tiny model")
     g.add_argument("--draft", default=None, help="draft checkpoint dir (DFlash or DSpark format)")
     g.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="weights and KV dtype (auto: the checkpoint's)")
+                   help="weights and KV dtype (auto: the checkpoint's on CUDA, float32 on CPU)")
     g.add_argument("--speculative-algorithm", type=str.upper, choices=SPEC_ALGORITHMS,
                    default=None, help="NONE, NGRAM (prompt lookup), DFLASH or DSPARK "
                    "(default: DSPARK with the embedded model, DFLASH/DSPARK from --draft's "

@@ -54,6 +54,7 @@ def run_hf(args, batch: int, prompts: list[str]) -> dict:
     from transformers import AutoModelForCausalLM
 
     tok = Tokenizer.from_file(str(Path(args.model) / "tokenizer.json"))
+    # fp32 like the engine's CPU default, so both sides do the same arithmetic.
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     eos = model.generation_config.eos_token_id
     pad = eos if isinstance(eos, int) else (eos[0] if eos else 0)
@@ -120,9 +121,13 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default="256MiB")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--hf", action="store_true", help="add HF transformers generate() baseline")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="intra-op threads for every configuration (default 1: on a small or "
+                    "shared CPU more threads mostly spin against each other)")
     ap.add_argument("--out", default="bench_serving.json")
     ap.add_argument("--plot", default=None, help="PNG path (needs matplotlib)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
 
     rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line]
     rows = rows[:args.num_prompts]

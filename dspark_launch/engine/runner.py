@@ -103,8 +103,11 @@ def run_job(cfg: RunConfig) -> int:
     device = state.device
     ckpt = resolve_checkpoints(cfg)
     free_before = measure_free_bytes(device) if device.type == "cuda" else None
-    target = load_model(ckpt.model, cfg.dtype, device)
-    proposer_parts = make_proposer(cfg, ckpt.algorithm, ckpt.draft, target, device)
+    # On CPU "auto" computes in fp32: bf16 matmuls there are slow and flip near-ties between
+    # a batched verify and one-token decoding. On CUDA "auto" keeps the checkpoint's dtype.
+    dtype = "float32" if cfg.dtype == "auto" and device.type == "cpu" else cfg.dtype
+    target = load_model(ckpt.model, dtype, device)
+    proposer_parts = make_proposer(cfg, ckpt.algorithm, ckpt.draft, target, device, dtype)
     plan = configure_memory(cfg, target_geometry(target), proposer_parts.geometry, device,
                             free_before)
     round_rows = max(1 + proposer_parts.max_drafts, proposer_parts.block_rows)

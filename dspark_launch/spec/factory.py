@@ -71,13 +71,14 @@ class ProposerParts:
         return DSparkProposer(*args, confidence_threshold=self.confidence_threshold)
 
 
-def make_proposer(cfg, algorithm: str, draft_path: str | None, target, device) -> ProposerParts:
+def make_proposer(cfg, algorithm: str, draft_path: str | None, target, device,
+                  dtype: str) -> ProposerParts:
     draft = None
     block = cfg.block_size or NGRAM_BLOCK
     if algorithm in ("DFLASH", "DSPARK"):
         from dspark_launch.models.draft_loader import load_draft
 
-        draft = load_draft(draft_path, target.config, cfg.dtype, device)
+        draft = load_draft(draft_path, target.config, dtype, device)
         block = cfg.block_size or draft.config.block_size
     if algorithm == "DFLASH" and block < 2:
         raise ConfigError(f"--block-size={block}: DFLASH needs >= 2 (slot 0 is the anchor)")
