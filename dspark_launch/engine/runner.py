@@ -164,6 +164,12 @@ def run_job(cfg: RunConfig) -> int:
                                   "output_ids": record["output_ids"]}), flush=True)
         if progress is not None:
             progress.update(len(records))
+            done = writer.records
+            rounds = [n for r in done for n in r["accept_lens"]]
+            elapsed = time.perf_counter() - start
+            progress.set_postfix(
+                tok_s=f"{sum(r['completion_tokens'] for r in done) / max(elapsed, 1e-9):.1f}",
+                tau=f"{sum(rounds) / len(rounds):.2f}" if rounds else "-")
 
     start = time.perf_counter()
     try:
