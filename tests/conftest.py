@@ -1,6 +1,7 @@
 import os
 import sys
 
+import pytest
 import torch
 
 # Tests import the helpers in this folder (multirank.py, checkpoints.py) by plain name.
@@ -10,3 +11,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 # each other (a 32-token decode went from ~4.5 s to ~0.08 s on a loaded 2-core machine), and a
 # fork taken while an OpenMP pool is alive can hang the child.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory):
+    """Engine-test checkpoints and prompt files (tests/jobs.py), written once per process."""
+    from jobs import assets
+
+    return assets(str(tmp_path_factory.getbasetemp() / "engine_assets"))

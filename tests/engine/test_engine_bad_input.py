@@ -4,7 +4,7 @@ per-request refusals that leave every other request's output intact."""
 from __future__ import annotations
 
 import pytest
-from _jobs import (
+from jobs import (
     AMPLE,
     QUIET,
     model_args,

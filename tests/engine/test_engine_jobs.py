@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _jobs import (
+from jobs import (
     AMPLE,
     QUIET,
     Probe,

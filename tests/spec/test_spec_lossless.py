@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import pytest
-from _jobs import (
+from jobs import (
     AMPLE,
     Probe,
     ProposerProbe,

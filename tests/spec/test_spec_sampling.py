@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _jobs import (
+from jobs import (
     AMPLE,
     ProposerProbe,
     make_drafter,
