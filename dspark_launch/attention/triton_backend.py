@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark_launch.errors import ConfigError
+
 from .backend import AttentionBackend
 from .metadata import ForwardMetadata
 
@@ -28,8 +30,8 @@ class TritonAttentionBackend(AttentionBackend):
         super().__init__(device)
         if self.device.type != "cuda":
             if os.environ.get("TRITON_INTERPRET", "0") != "1":
-                raise RuntimeError(
-                    "the triton attention backend needs CUDA; on CPU it only runs through "
+                raise ConfigError(
+                    "--attention-backend triton needs CUDA; on CPU it only runs through "
                     "the Triton interpreter: set TRITON_INTERPRET=1 before starting (before "
                     "triton is imported) or use --attention-backend torch"
                 )

@@ -8,6 +8,7 @@ from _attn_cases import DEVICE, TOL, make_batch
 from dspark_launch.kernels import ref_extend, ref_store
 
 from dspark_launch.attention import build_metadata, make_backend
+from dspark_launch.errors import ConfigError
 
 BACKENDS = ["torch", "triton"]
 
@@ -100,7 +101,7 @@ def test_make_backend_auto_and_unknown():
 
 def test_triton_backend_requires_interpreter_on_cpu(monkeypatch, caplog):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+    with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):  # exit 2, one line
         make_backend("triton", torch.device("cpu"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with caplog.at_level("WARNING", logger="dspark_launch"):
