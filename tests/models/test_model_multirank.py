@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _model_runner import Runner
 from checkpoints import write_checkpoint
+from model_runner import Runner
 from multirank import run_world
 
 from dspark_launch.args import resolve_config

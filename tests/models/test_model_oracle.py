@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _model_runner import Runner, generate
 from checkpoints import load_hf, write_checkpoint
+from model_runner import Runner, generate
 
 from dspark_launch.models.loader import load_model
 from dspark_launch.parallel import override_parallel
