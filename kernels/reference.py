@@ -14,10 +14,13 @@ def store_kv_torch(
     k: torch.Tensor,  # [T, H, D]
     v: torch.Tensor,  # [T, H, Dv]
     rows: torch.Tensor,  # [T] int64, < 0 = skip
+    rows_valid: bool | None = None,  # True: caller checked that no row is < 0
 ) -> None:
-    keep = rows >= 0
-    if not bool(keep.all()):
-        rows, k, v = rows[keep], k[keep], v[keep]
+    # The check is a host sync; a caller storing every layer of one forward does it once.
+    if not rows_valid:
+        keep = rows >= 0
+        if not bool(keep.all()):
+            rows, k, v = rows[keep], k[keep], v[keep]
     k_cache.index_copy_(0, rows, k.to(k_cache.dtype))
     v_cache.index_copy_(0, rows, v.to(v_cache.dtype))
 

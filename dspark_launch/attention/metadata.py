@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -42,10 +43,8 @@ class ForwardMetadata:
 
 
 def _indptr(lens: list[int], device: torch.device) -> torch.Tensor:
-    out = torch.zeros(len(lens) + 1, dtype=torch.int64)
-    if lens:
-        out[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0)
-    return out.to(device)
+    # Prefix sums in Python: one small tensor instead of zeros + cumsum + copy.
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64, device=device)
 
 
 def build_metadata(
@@ -69,7 +68,12 @@ def build_metadata(
     max_ctx = req_to_token.shape[1] if req_to_token.dim() == 2 else 0
     assert all(k <= max_ctx for k in kv_lens), "kv_len exceeds req_to_token width"
 
-    if slots:
+    if len(slots) == 1:
+        # One request (batch-1 decode, a lone prefill): plain slices of its table row.
+        kv_indices = req_to_token[slots[0], :kv_lens[0]].to(torch.int64, copy=True)
+        out_rows = kv_indices[prefix_lens[0]:]
+        positions = torch.arange(prefix_lens[0], kv_lens[0], dtype=torch.int64)
+    elif slots:
         # One gather on the table's device: a [B, max_kv] window then a validity mask,
         # which avoids a Python loop of small slices on GPU.
         table = req_to_token.to(torch.int64)
@@ -78,11 +82,16 @@ def build_metadata(
         window = table[slot_t, :max_kv]  # [B, max_kv]
         col = torch.arange(max_kv, device=table.device)
         kv_len_t = torch.tensor(kv_lens, device=table.device)
-        pre_t = torch.tensor(prefix_lens, device=table.device)
         kv_indices = window[col[None, :] < kv_len_t[:, None]]
-        new_sel = (col[None, :] >= pre_t[:, None]) & (col[None, :] < kv_len_t[:, None])
-        out_rows = window[new_sel]
-        positions = torch.cat([torch.arange(p, p + q) for p, q in zip(prefix_lens, q_lens)])
+        pre_t = torch.tensor(prefix_lens, device=table.device)
+        if all(q == 1 for q in q_lens):  # decode: the new token sits at position prefix_len
+            out_rows = window.gather(1, pre_t[:, None]).squeeze(1)
+            positions = pre_t
+        else:
+            new_sel = (col[None, :] >= pre_t[:, None]) & (col[None, :] < kv_len_t[:, None])
+            out_rows = window[new_sel]
+            positions = torch.tensor([i for p, k in zip(prefix_lens, kv_lens)
+                                      for i in range(p, k)], dtype=torch.int64)
     else:
         kv_indices = torch.zeros(0, dtype=torch.int64)
         out_rows = torch.zeros(0, dtype=torch.int64)

@@ -166,13 +166,12 @@ class Engine:
                 cursor += 1
                 if self._append(req, [tok]):
                     finished.append(req)
+        if greedy is not None and blocks:
+            accepted = self._greedy_accept_all(blocks, greedy[cursor:])
         for j, (req, block) in enumerate(zip(plan.decode, blocks)):
             width = len(block)
             if greedy is not None:
-                acc, bonus = greedy_accept(
-                    torch.tensor([block[1:] + [-1]]), torch.tensor([width - 1]),
-                    torch.tensor([greedy[cursor:cursor + width] + [-1]]))
-                accept_len, nxt = int(acc[0]), int(bonus[0])
+                accept_len, nxt = accepted[j]
             else:
                 accept_len, nxt = rejection_accept(
                     block[1:], q[j], probs[cursor:cursor + width], req.generator)
@@ -197,6 +196,26 @@ class Engine:
         for req in finished:
             sched.finish(req)
         return finished
+
+    @staticmethod
+    def _greedy_accept_all(blocks: list[list[int]], greedy: list[int]
+                           ) -> list[tuple[int, int]]:
+        """(accept_len, bonus) per verify block [anchor, drafts...], all in one tensor op.
+
+        greedy holds the target's argmax for every block row, blocks back to back. Rows are
+        padded with -1 (never a token id) to the widest block.
+        """
+        width = max(len(b) for b in blocks)
+        drafts, targets, start = [], [], 0
+        for b in blocks:
+            drafts.append(b[1:] + [-1] * (width - len(b)))
+            targets.append(greedy[start:start + len(b)] + [-1] * (width - len(b)))
+            start += len(b)
+        acc, bonus = greedy_accept(
+            torch.tensor(drafts, dtype=torch.int64).view(len(blocks), width - 1),
+            torch.tensor([len(b) - 1 for b in blocks], dtype=torch.int64),
+            torch.tensor(targets, dtype=torch.int64))
+        return list(zip(acc.tolist(), bonus.tolist()))
 
     def _next_token_dists(
         self, hidden: torch.Tensor, rows: list[int], temps: list[float]

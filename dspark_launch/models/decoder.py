@@ -20,6 +20,7 @@ from .layers import (
     RMSNorm,
     RowParallelLinear,
     apply_rotary,
+    rms_normalize,
     silu_and_mul,
 )
 
@@ -46,15 +47,23 @@ class Attention(nn.Module):
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, d] -> q [T, Hq_l, hd], k [T, Hkv_l, hd] (normed, rotated), v [T, Hkv_l, hd]."""
+        """x [T, d] -> q [T, Hq_l, hd], k [T, Hkv_l, hd] (normed, rotated), v [T, Hkv_l, hd].
+
+        q and k are adjacent heads of the fused qkv output, so they are normed and rotated
+        together as one [T, Hq_l + Hkv_l, hd] tensor: half the eager ops of doing each apart.
+        """
         t, hd, qkv = x.shape[0], self.head_dim, self.qkv_proj
-        q, k, v = qkv.split(qkv(x))
+        hq, hkv = qkv.q_heads, qkv.kv_heads
         # Explicit head counts (not -1): an idle batch has T == 0.
-        q, k, v = q.view(t, qkv.q_heads, hd), k.view(t, qkv.kv_heads, hd), \
-            v.view(t, qkv.kv_heads, hd)
+        heads = qkv(x).view(t, hq + 2 * hkv, hd)
+        qk, v = heads[:, :hq + hkv], heads[:, hq + hkv:]
         if self.q_norm is not None:  # Qwen3: per-head RMSNorm BEFORE RoPE
-            q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+            # HF's order (fp32 math, cast back, then x weight); q and k differ only in weight.
+            weight = torch.cat([self.q_norm.weight.expand(hq, hd),
+                                self.k_norm.weight.expand(hkv, hd)])  # [Hq_l + Hkv_l, hd]
+            qk = rms_normalize(qk, self.q_norm.eps) * weight
+        qk = apply_rotary(qk, cos, sin)
+        return qk[:, :hq], qk[:, hq:], v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: ForwardMetadata, backend: AttentionBackend,

@@ -9,7 +9,7 @@ from .linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from .norm import RMSNorm
+from .norm import RMSNorm, rms_normalize
 from .rotary import RotaryEmbedding, apply_rotary
 from .weights import ShapeMismatch, default_weight_loader, new_param
 
@@ -27,5 +27,6 @@ __all__ = [
     "apply_rotary",
     "default_weight_loader",
     "new_param",
+    "rms_normalize",
     "silu_and_mul",
 ]

@@ -41,6 +41,8 @@ class VocabParallelEmbedding(nn.Module):
             copy_into(param.data[:self.owned], narrow(loaded, 0, self.start, self.owned))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, d]
+        if self.shards == 1:  # every id is ours: a plain lookup (no masking, no reduce)
+            return F.embedding(input_ids, self.weight)
         local = input_ids - self.start
         mine = (local >= 0) & (local < self.owned)
         out = F.embedding(torch.where(mine, local, 0), self.weight)  # [T, d]
@@ -73,6 +75,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         Ties go to the lowest id: torch.max picks the first maximum within a shard, and
         shards are ordered by id, so the first rank holding the global max wins.
         """
+        if self.shards == 1:  # one shard holds the whole vocabulary: a plain argmax
+            return self.local_logits(hidden).argmax(dim=-1)
         local = self.local_logits(hidden)[:, :self.owned].float()  # [N, owned]
         n = local.shape[0]
         if self.owned:
