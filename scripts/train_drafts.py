@@ -533,7 +533,7 @@ def run_eval(args, target, tok, root, held):
             r = r[:r.index(eos) + 1]
         refs.append(r)
     t_plain = time.time() - t0
-    res = {"prompts": len(prompts), "prompt_source": str(pf) if pf.exists() else "eval_prompts.json", "max_new_tokens": args.max_new, "block_size": BLOCK,
+    res = {"prompts": len(prompts), "prompt_source": (os.path.relpath(pf, tc.ROOT) if pf.exists() else "eval_prompts.json"), "max_new_tokens": args.max_new, "block_size": BLOCK,
            "plain_greedy_seconds": round(t_plain, 2), "drafters": {}}
     for name, pr in props.items():
         accs, match, ntok = [], 0, 0
@@ -550,7 +550,7 @@ def run_eval(args, target, tok, root, held):
         print(f"[eval] {name}: tau {tau:.3f} over {len(accs)} rounds, {ntok} tokens, output == plain greedy "
               f"for {match}/{len(prompts)} prompts, {dt:.1f}s (plain greedy HF generate {t_plain:.1f}s)", flush=True)
     (Path(args.draft_root) / "eval_tau.json").write_text(json.dumps(res, indent=1) + "\n")
-    print("sample (dspark/greedy) continuation:\n" + prompts[0]["text"] + "<<<\n" + tok.decode(refs[0]), flush=True)
+    print("sample plain-greedy continuation of prompt 0:\n" + prompts[0]["text"] + "<<<\n" + tok.decode(refs[0]), flush=True)
     return res
 
 
