@@ -3,8 +3,10 @@
 Used only by scripts/train_tokenizer.py, scripts/train_target.py and
 scripts/train_drafts.py.  Everything here is deterministic given a seed.
 """
+
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -61,13 +63,21 @@ def read_text(root: Path, rel: str) -> str:
 def write_split(path: Path, seed: int, heldout_frac: float):
     root, train, held = split_files(seed, heldout_frac)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({
-        "corpus": "CPython stdlib .py files (test dirs excluded)",
-        "python": sysconfig.get_python_version(),
-        "seed": seed, "heldout_frac": heldout_frac,
-        "n_train": len(train), "n_heldout": len(held),
-        "heldout": held,
-    }, indent=1) + "\n")
+    path.write_text(
+        json.dumps(
+            {
+                "corpus": "CPython stdlib .py files (test dirs excluded)",
+                "python": sysconfig.get_python_version(),
+                "seed": seed,
+                "heldout_frac": heldout_frac,
+                "n_train": len(train),
+                "n_heldout": len(held),
+                "heldout": held,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     return root, train, held
 
 
@@ -86,6 +96,7 @@ def load_split(path: Path):
 def encode_files(tok, root: Path, rels: list[str]):
     """Tokenize files, returning one flat list with EOS between documents."""
     import torch
+
     eos = tok.token_to_id(EOS_TOKEN)
     ids: list[int] = []
     texts = [read_text(root, r) for r in rels]
@@ -97,17 +108,17 @@ def encode_files(tok, root: Path, rels: list[str]):
 
 def load_tokenizer(path: Path):
     from tokenizers import Tokenizer
+
     return Tokenizer.from_file(str(path))
 
 
 def set_threads(n: int = 1):
     import torch
+
     os.environ.setdefault("RAYON_NUM_THREADS", str(n))
     torch.set_num_threads(n)
-    try:
+    with contextlib.suppress(RuntimeError):  # already set in this process
         torch.set_num_interop_threads(1)
-    except RuntimeError:
-        pass
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int):

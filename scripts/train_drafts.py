@@ -16,19 +16,18 @@ Stages (run in order by default; each can be run alone):
 
     python scripts/train_drafts.py --stages rollouts,dflash,dspark,eval --minutes 20
 """
+
 import argparse
-import warnings
 import json
-import math
 import os
 import random
 import sys
 import time
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiny_common as tc  # noqa: E402
-
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -68,7 +67,12 @@ def apply_rope(x, cos, sin):
 class Attn(nn.Module):
     def __init__(self, c):
         super().__init__()
-        d, H, KV, hd = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+        d, H, KV, hd = (
+            c["hidden_size"],
+            c["num_attention_heads"],
+            c["num_key_value_heads"],
+            c["head_dim"],
+        )
         self.H, self.KV, self.hd = H, KV, hd
         self.q_proj = nn.Linear(d, H * hd, bias=False)
         self.k_proj = nn.Linear(d, KV * hd, bias=False)
@@ -145,7 +149,9 @@ class Draft(nn.Module):
         self.hidden_norm = RMSNorm(d, c["rms_norm_eps"])
         self.layers = nn.ModuleList([Layer(c) for _ in range(c["num_hidden_layers"])])
         self.norm = RMSNorm(d, c["rms_norm_eps"])
-        self.theta = float(c.get("rope_theta", c.get("rope_parameters", {}).get("rope_theta", 10000.0)))
+        self.theta = float(
+            c.get("rope_theta", c.get("rope_parameters", {}).get("rope_theta", 10000.0))
+        )
         if markov_rank:
             self.markov_head = MarkovHead(c["vocab_size"], markov_rank)
             nn.init.normal_(self.markov_head.markov_w1.weight, std=0.02)
@@ -156,7 +162,8 @@ class Draft(nn.Module):
             nn.init.zeros_(self.confidence_head.proj.bias)
 
     def backbone(self, feats, ctx_pos, x, blk_pos, mask):
-        """feats [b,T,m*d], ctx_pos [b,T], x [b,Q,d] block embeddings, blk_pos [b,Q] -> normed h [b,Q,d]"""
+        """feats [b,T,m*d], ctx_pos [b,T], x [b,Q,d] block embeddings, blk_pos [b,Q]
+        -> normed h [b,Q,d]"""
         hd = self.c["head_dim"]
         ctx = self.hidden_norm(self.fc(feats))
         cq = rope_cos_sin(blk_pos, hd, self.theta)
@@ -180,7 +187,10 @@ def draft_config(tcfg, kind, num_anchors):
     if kind == "dflash":
         c["architectures"] = ["DFlashDraftModel"]
         c["auto_map"] = {"AutoModel": "dflash.DFlashDraftModel"}
-        c["dflash_config"] = {"mask_token_id": tcfg["vocab_size"] - 1, "target_layer_ids": list(TARGET_LAYER_IDS)}
+        c["dflash_config"] = {
+            "mask_token_id": tcfg["vocab_size"] - 1,
+            "target_layer_ids": list(TARGET_LAYER_IDS),
+        }
     else:
         c["architectures"] = ["Qwen3DSparkModel"]
         c["target_layer_ids"] = list(TARGET_LAYER_IDS)
@@ -197,6 +207,7 @@ def draft_config(tcfg, kind, num_anchors):
 # ----------------------------------------------------------------------------- target
 def load_target(tdir):
     from transformers import AutoModelForCausalLM
+
     m = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32, attn_implementation="sdpa")
     m.eval()
     for p in m.parameters():
@@ -213,6 +224,7 @@ def target_features(hidden_states):
 def greedy_batch(target, prompt, G):
     """Plain batched greedy continuation (no stopping at EOS) with a KV cache."""
     from transformers import DynamicCache
+
     cache = DynamicCache()
     out = target(input_ids=prompt, past_key_values=cache, use_cache=True)
     toks = [out.logits[:, -1].argmax(-1)]
@@ -235,14 +247,16 @@ def make_rollouts(args, target, tok, files, root, minutes, seed, n_max):
         P = [32, 64, 96, 128][i % 4]
         i += 1
         idx = torch.randint(0, len(data) - P - 1, (bs,), generator=g)
-        prompt = torch.stack([data[j:j + P] for j in idx.tolist()]).long()
+        prompt = torch.stack([data[j : j + P] for j in idx.tolist()]).long()
         out = greedy_batch(target, prompt, G)
         hs = target(input_ids=out, output_hidden_states=True).hidden_states
         seqs.append(out.to(torch.int16))
         feats.append(target_features(hs).to(torch.bfloat16))
         plens.append(P)
         if i % 5 == 0:
-            print(f"  rollouts: {len(seqs)*bs} seqs, {(time.time()-t0)/60:.1f} min", flush=True)
+            print(
+                f"  rollouts: {len(seqs) * bs} seqs, {(time.time() - t0) / 60:.1f} min", flush=True
+            )
     return {"seqs": seqs, "feats": feats, "plens": plens}
 
 
@@ -269,7 +283,9 @@ def draft_loss(model, kind, E, seqs, feats, plen, anchors, mask_id, gamma):
     blk_id = torch.arange(N).repeat_interleave(BLOCK)
     m_blk = (blk_id[:, None] == blk_id[None, :]).expand(b, -1, -1)
     mask = torch.cat([m_ctx, m_blk], 2)[:, None]
-    h = model.backbone(feats.float(), ctx_pos, x, pos.view(b, N * BLOCK), mask).view(b, N, BLOCK, -1)
+    h = model.backbone(feats.float(), ctx_pos, x, pos.view(b, N * BLOCK), mask).view(
+        b, N, BLOCK, -1
+    )
     if kind == "dflash":
         hs = h[:, :, 1:]
         labels = torch.gather(seqs, 1, pos[:, :, 1:].reshape(b, -1)).view(b, N, BLOCK - 1)
@@ -282,9 +298,11 @@ def draft_loss(model, kind, E, seqs, feats, plen, anchors, mask_id, gamma):
         w1 = model.markov_head.markov_w1(prev)
         logits = U + model.markov_head.markov_w2(w1)
         w = torch.exp(-torch.arange(BLOCK, dtype=torch.float32) / gamma)
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view(labels.shape)
+    ce = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none"
+    ).view(labels.shape)
     loss = (ce * w).sum(-1).mean() / w.sum()
-    hit = (logits.argmax(-1) == labels)
+    hit = logits.argmax(-1) == labels
     stats = {"ce": ce.mean(0).mean(0).detach(), "acc": hit.float().mean(0).mean(0)}
     if kind == "dspark":
         z = model.confidence_head.proj(torch.cat([h.detach(), w1.detach()], -1).float()).squeeze(-1)
@@ -307,8 +325,10 @@ def eval_draft_loss(model, kind, E, ro, mask_id, gamma, n_anchor=16, seed=1):
     for seqs, feats, P in zip(ro["seqs"], ro["feats"], ro["plens"]):
         seqs = seqs.long()
         for j in range(0, seqs.shape[0], 8):
-            s, f = seqs[j:j + 8], feats[j:j + 8]
-            anc = torch.stack([sample_anchors(P, s.shape[1], n_anchor, kind, g) for _ in range(s.shape[0])])
+            s, f = seqs[j : j + 8], feats[j : j + 8]
+            anc = torch.stack(
+                [sample_anchors(P, s.shape[1], n_anchor, kind, g) for _ in range(s.shape[0])]
+            )
             loss, st = draft_loss(model, kind, E, s, f, P, anc, mask_id, gamma)
             tot += loss.item()
             cnt += 1
@@ -323,8 +343,12 @@ def train_draft(args, kind, target, tcfg, ro_train, ro_held, out_dir):
     g = torch.Generator().manual_seed(args.seed + 10)
     mask_id = tcfg["vocab_size"] - 1
     c = draft_config(tcfg, kind, args.anchors)
-    model = Draft(c, len(TARGET_LAYER_IDS), markov_rank=c.get("markov_rank", 0) if kind == "dspark" else 0,
-                  confidence=kind == "dspark")
+    model = Draft(
+        c,
+        len(TARGET_LAYER_IDS),
+        markov_rank=c.get("markov_rank", 0) if kind == "dspark" else 0,
+        confidence=kind == "dspark",
+    )
     # warm start the draft layer from the target's last layer (then trained fully)
     tsd = target.state_dict()
     last = tcfg["num_hidden_layers"] - 1
@@ -337,7 +361,7 @@ def train_draft(args, kind, target, tcfg, ro_train, ro_held, out_dir):
     model.lm_head_w = E  # frozen (tied target)
     params = [p for p in model.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in params)
-    print(f"[{kind}] trainable params {n_params/1e6:.3f}M", flush=True)
+    print(f"[{kind}] trainable params {n_params / 1e6:.3f}M", flush=True)
     opt = torch.optim.AdamW(params, lr=args.draft_lr, betas=(0.9, 0.95), weight_decay=0.01)
     budget = args.minutes * 60
     t0 = time.time()
@@ -354,7 +378,9 @@ def train_draft(args, kind, target, tcfg, ro_train, ro_held, out_dir):
         seqs = ro_train["seqs"][bi][rows].long()
         feats = ro_train["feats"][bi][rows]
         P = ro_train["plens"][bi]
-        anc = torch.stack([sample_anchors(P, seqs.shape[1], args.anchors, kind, g) for _ in range(seqs.shape[0])])
+        anc = torch.stack(
+            [sample_anchors(P, seqs.shape[1], args.anchors, kind, g) for _ in range(seqs.shape[0])]
+        )
         loss, st = draft_loss(model, kind, E, seqs, feats, P, anc, mask_id, args.gamma)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -365,44 +391,77 @@ def train_draft(args, kind, target, tcfg, ro_train, ro_held, out_dir):
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
         if step % 50 == 0:
             acc = " ".join(f"{a:.2f}" for a in st["acc"].tolist())
-            print(f"[{kind}] step {step} {(time.time()-t0)/60:.1f}min loss {ema:.3f} acc/slot {acc}", flush=True)
-            curve.append({"step": step, "minutes": round((time.time() - t0) / 60, 2), "loss": round(ema, 4)})
+            print(
+                f"[{kind}] step {step} {(time.time() - t0) / 60:.1f}min loss {ema:.3f} "
+                f"acc/slot {acc}",
+                flush=True,
+            )
+            curve.append(
+                {"step": step, "minutes": round((time.time() - t0) / 60, 2), "loss": round(ema, 4)}
+            )
     train_s = time.time() - t0
     hl, hacc = eval_draft_loss(model, kind, E, ro_held, mask_id, args.gamma)
     tau_est = 1 + torch.cumprod(hacc, 0).sum().item()
-    print(f"[{kind}] done {step} steps, {n_seq} seqs x {args.anchors} anchors, {train_s/60:.1f} min; "
-          f"held-out weighted CE {hl:.4f}; per-slot acc {[round(a, 3) for a in hacc.tolist()]}", flush=True)
+    print(
+        f"[{kind}] done {step} steps, {n_seq} seqs x {args.anchors} anchors, "
+        f"{train_s / 60:.1f} min; "
+        f"held-out weighted CE {hl:.4f}; per-slot acc {[round(a, 3) for a in hacc.tolist()]}",
+        flush=True,
+    )
     save_draft(model, kind, c, E, out_dir)
-    stats = {"kind": kind, "trainable_params": n_params, "steps": step, "sequences_seen": n_seq,
-             "anchors_per_seq": args.anchors, "blocks_seen": n_seq * args.anchors, "train_minutes": round(train_s / 60, 2),
-             "lr": args.draft_lr, "gamma": args.gamma, "seed": args.seed,
-             "heldout_weighted_ce": round(hl, 4), "heldout_slot_acc": [round(a, 4) for a in hacc.tolist()],
-             "tau_estimate_from_slot_acc_product": round(tau_est, 3), "curve": curve}
+    stats = {
+        "kind": kind,
+        "trainable_params": n_params,
+        "steps": step,
+        "sequences_seen": n_seq,
+        "anchors_per_seq": args.anchors,
+        "blocks_seen": n_seq * args.anchors,
+        "train_minutes": round(train_s / 60, 2),
+        "lr": args.draft_lr,
+        "gamma": args.gamma,
+        "seed": args.seed,
+        "heldout_weighted_ce": round(hl, 4),
+        "heldout_slot_acc": [round(a, 4) for a in hacc.tolist()],
+        "tau_estimate_from_slot_acc_product": round(tau_est, 3),
+        "curve": curve,
+    }
     (Path(out_dir) / "train_stats.json").write_text(json.dumps(stats, indent=1) + "\n")
     return model
 
 
 def save_draft(model, kind, c, E, out_dir):
     from safetensors.torch import save_file
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
     if kind == "dspark":
         sd["embed_tokens.weight"] = E.to(torch.bfloat16).contiguous()
         sd["lm_head.weight"] = E.to(torch.bfloat16).clone().contiguous()
-        sd["confidence_head.proj.weight"] = sd["confidence_head.proj.weight"].float().to(torch.bfloat16)
+        sd["confidence_head.proj.weight"] = (
+            sd["confidence_head.proj.weight"].float().to(torch.bfloat16)
+        )
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(c, indent=2, sort_keys=True) + "\n")
-    print(f"saved {kind} -> {out} ({sum(v.numel() for v in sd.values())/1e6:.3f}M tensors elems)", flush=True)
+    print(
+        f"saved {kind} -> {out} ({sum(v.numel() for v in sd.values()) / 1e6:.3f}M tensors elems)",
+        flush=True,
+    )
 
 
 def load_draft(ddir, kind):
     from safetensors.torch import load_file
+
     c = json.loads((Path(ddir) / "config.json").read_text())
     sd = {k: v.float() for k, v in load_file(str(Path(ddir) / "model.safetensors")).items()}
     ids = c["dflash_config"]["target_layer_ids"] if kind == "dflash" else c["target_layer_ids"]
     assert ids == TARGET_LAYER_IDS, ids
-    m = Draft(c, len(ids), markov_rank=c.get("markov_rank", 0) if kind == "dspark" else 0, confidence=kind == "dspark")
+    m = Draft(
+        c,
+        len(ids),
+        markov_rank=c.get("markov_rank", 0) if kind == "dspark" else 0,
+        confidence=kind == "dspark",
+    )
     E = sd.pop("embed_tokens.weight", None)
     L = sd.pop("lm_head.weight", None)
     m.load_state_dict(sd, strict=True)
@@ -441,20 +500,28 @@ class Proposer:
 def ngram_propose(seq, k, nmax=3):
     n_seq = len(seq)
     for n in range(min(nmax, n_seq - 1), 0, -1):
-        suf = seq[n_seq - n:]
+        suf = seq[n_seq - n :]
         for i in range(n_seq - n - 1, -1, -1):
-            if seq[i:i + n] == suf:
-                return seq[i + n:i + n + k]
+            if seq[i : i + n] == suf:
+                return seq[i + n : i + n + k]
     return []
 
 
 @torch.no_grad()
 def spec_decode(target, proposer, prompt_ids, max_new, eos):
-    """Batch-1 greedy speculative decoding with the target's KV cache. Returns (generated ids, accept lens)."""
+    """Batch-1 greedy speculative decoding with the target's KV cache.
+
+    Returns (generated ids, accept lens)."""
     from transformers import DynamicCache
+
     cache = DynamicCache()
     P = len(prompt_ids)
-    out = target(input_ids=torch.tensor([prompt_ids]), past_key_values=cache, use_cache=True, output_hidden_states=True)
+    out = target(
+        input_ids=torch.tensor([prompt_ids]),
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=True,
+    )
     feats = target_features(out.hidden_states)[0]
     seq = list(prompt_ids) + [int(out.logits[0, -1].argmax())]
     start = P
@@ -462,26 +529,31 @@ def spec_decode(target, proposer, prompt_ids, max_new, eos):
     while len(seq) - P < max_new and eos not in seq[P:]:
         d = proposer.propose(seq, feats, start)[: max(0, max_new - (len(seq) - P))]
         inp = torch.tensor([[seq[start]] + d])
-        o = target(input_ids=inp, past_key_values=cache, use_cache=True, output_hidden_states=True,
-                   position_ids=torch.arange(start, start + len(d) + 1)[None])
+        o = target(
+            input_ids=inp,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=True,
+            position_ids=torch.arange(start, start + len(d) + 1)[None],
+        )
         post = o.logits[0].argmax(-1).tolist()
         a = 0
         while a < len(d) and d[a] == post[a]:
             a += 1
         acc = d[:a]
         if eos in acc:  # stop inside the accepted drafts: no bonus
-            acc = acc[:acc.index(eos) + 1]
+            acc = acc[: acc.index(eos) + 1]
             seq += acc
             accs.append(len(acc))
             break
         seq += acc + [post[a]]
         accs.append(a + 1)
-        feats = torch.cat([feats, target_features(o.hidden_states)[0, :a + 1]], 0)
+        feats = torch.cat([feats, target_features(o.hidden_states)[0, : a + 1]], 0)
         start += a + 1
         cache.crop(start - cache.get_seq_length())
     gen = seq[P:]
     if eos in gen:
-        gen = gen[:gen.index(eos) + 1]
+        gen = gen[: gen.index(eos) + 1]
     return gen[:max_new], accs
 
 
@@ -507,12 +579,17 @@ def run_eval(args, target, tok, root, held):
     eos = tok.token_to_id(tc.EOS_TOKEN)
     pf = Path(args.prompts)
     if pf.exists():  # the package's built-in held-out prompt set
-        prompts = [{"file": json.loads(l).get("id"), "text": json.loads(l)["prompt"]}
-                   for l in pf.read_text().splitlines() if l.strip()][:args.eval_prompts]
+        prompts = [
+            {"file": json.loads(line).get("id"), "text": json.loads(line)["prompt"]}
+            for line in pf.read_text().splitlines()
+            if line.strip()
+        ][: args.eval_prompts]
         print(f"[eval] {len(prompts)} prompts from {pf}", flush=True)
     else:
         prompts = eval_prompts(tok, root, held, args.eval_prompts, args.seed)
-        (Path(args.draft_root) / "eval_prompts.json").write_text(json.dumps(prompts, indent=1) + "\n")
+        (Path(args.draft_root) / "eval_prompts.json").write_text(
+            json.dumps(prompts, indent=1) + "\n"
+        )
     mask_id = tok.token_to_id(tc.MASK_TOKEN)
     props = {"ngram": Proposer("ngram")}
     for kind in ("dflash", "dspark"):
@@ -520,21 +597,34 @@ def run_eval(args, target, tok, root, held):
         if (d / "model.safetensors").exists():
             m, c, E, L = load_draft(d, kind)
             tE = target.get_input_embeddings().weight.detach()
-            props[kind] = Proposer(kind, m, tE if E is None else E, L if L is not None else tE, mask_id)
+            props[kind] = Proposer(
+                kind, m, tE if E is None else E, L if L is not None else tE, mask_id
+            )
     # plain greedy references
     refs = []
     t0 = time.time()
     for p in prompts:
         ids = tok.encode(p["text"]).ids
-        g = target.generate(torch.tensor([ids]), max_new_tokens=args.max_new, do_sample=False, eos_token_id=eos,
-                            pad_token_id=eos)
-        r = g[0, len(ids):].tolist()
+        g = target.generate(
+            torch.tensor([ids]),
+            max_new_tokens=args.max_new,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos,
+        )
+        r = g[0, len(ids) :].tolist()
         if eos in r:
-            r = r[:r.index(eos) + 1]
+            r = r[: r.index(eos) + 1]
         refs.append(r)
     t_plain = time.time() - t0
-    res = {"prompts": len(prompts), "prompt_source": (os.path.relpath(pf, tc.ROOT) if pf.exists() else "eval_prompts.json"), "max_new_tokens": args.max_new, "block_size": BLOCK,
-           "plain_greedy_seconds": round(t_plain, 2), "drafters": {}}
+    res = {
+        "prompts": len(prompts),
+        "prompt_source": (os.path.relpath(pf, tc.ROOT) if pf.exists() else "eval_prompts.json"),
+        "max_new_tokens": args.max_new,
+        "block_size": BLOCK,
+        "plain_greedy_seconds": round(t_plain, 2),
+        "drafters": {},
+    }
     for name, pr in props.items():
         accs, match, ntok = [], 0, 0
         t0 = time.time()
@@ -545,21 +635,42 @@ def run_eval(args, target, tok, root, held):
             ntok += len(gen)
         dt = time.time() - t0
         tau = sum(accs) / max(1, len(accs))
-        res["drafters"][name] = {"tau": round(tau, 3), "rounds": len(accs), "tokens": ntok,
-                                 "lossless_match": f"{match}/{len(prompts)}", "seconds": round(dt, 2)}
-        print(f"[eval] {name}: tau {tau:.3f} over {len(accs)} rounds, {ntok} tokens, output == plain greedy "
-              f"for {match}/{len(prompts)} prompts, {dt:.1f}s (plain greedy HF generate {t_plain:.1f}s)", flush=True)
+        res["drafters"][name] = {
+            "tau": round(tau, 3),
+            "rounds": len(accs),
+            "tokens": ntok,
+            "lossless_match": f"{match}/{len(prompts)}",
+            "seconds": round(dt, 2),
+        }
+        print(
+            f"[eval] {name}: tau {tau:.3f} over {len(accs)} rounds, {ntok} tokens, "
+            f"output == plain greedy for {match}/{len(prompts)} prompts, {dt:.1f}s "
+            f"(plain greedy HF generate {t_plain:.1f}s)",
+            flush=True,
+        )
     (Path(args.draft_root) / "eval_tau.json").write_text(json.dumps(res, indent=1) + "\n")
-    print("sample plain-greedy continuation of prompt 0:\n" + prompts[0]["text"] + "<<<\n" + tok.decode(refs[0]), flush=True)
+    print(
+        "sample plain-greedy continuation of prompt 0:\n"
+        + prompts[0]["text"]
+        + "<<<\n"
+        + tok.decode(refs[0]),
+        flush=True,
+    )
     return res
 
 
 # ----------------------------------------------------------------------------- main
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--stages", default="rollouts,dflash,dspark,eval")
     ap.add_argument("--target", default=str(tc.ASSETS / "target"))
-    ap.add_argument("--draft-root", default=str(tc.ASSETS), help="drafts go to DRAFT_ROOT/dflash and DRAFT_ROOT/dspark")
+    ap.add_argument(
+        "--draft-root",
+        default=str(tc.ASSETS),
+        help="drafts go to DRAFT_ROOT/dflash and DRAFT_ROOT/dspark",
+    )
     ap.add_argument("--split", default=str(tc.ASSETS / "split.json"))
     ap.add_argument("--work", default="out_tiny", help="rollout cache (git-ignored)")
     ap.add_argument("--minutes", type=float, default=20.0, help="training minutes per draft")
@@ -573,8 +684,11 @@ def main():
     ap.add_argument("--gamma", type=float, default=4.0, help="position weight exp(-k/gamma)")
     ap.add_argument("--eval-prompts", type=int, default=32)
     ap.add_argument("--max-new", type=int, default=128)
-    ap.add_argument("--prompts", default=str(tc.ROOT / "dspark_launch" / "assets" / "prompts" / "heldout.jsonl"),
-                    help="jsonl with a 'prompt' field; if missing, windows of held-out files are used")
+    ap.add_argument(
+        "--prompts",
+        default=str(tc.ROOT / "dspark_launch" / "assets" / "prompts" / "heldout.jsonl"),
+        help="jsonl with a 'prompt' field; if missing, windows of held-out files are used",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
@@ -591,19 +705,37 @@ def main():
     ro_path = work / "rollouts.pt"
     if "rollouts" in stages:
         t0 = time.time()
-        ro_train = make_rollouts(args, target, tok, train_files, root, args.rollout_minutes, args.seed, args.max_rollouts)
-        ro_held = make_rollouts(args, target, tok, held_files, root, 1.0, args.seed + 1, 2 * args.rollout_batch)
+        ro_train = make_rollouts(
+            args, target, tok, train_files, root, args.rollout_minutes, args.seed, args.max_rollouts
+        )
+        ro_held = make_rollouts(
+            args, target, tok, held_files, root, 1.0, args.seed + 1, 2 * args.rollout_batch
+        )
         torch.save({"train": ro_train, "held": ro_held}, ro_path)
         n = sum(s.shape[0] for s in ro_train["seqs"])
-        print(f"rollouts: {n} train seqs ({n*args.gen_len} generated tokens), "
-              f"{sum(s.shape[0] for s in ro_held['seqs'])} held-out seqs; {(time.time()-t0)/60:.1f} min", flush=True)
-        (work / "rollout_stats.json").write_text(json.dumps({"train_seqs": n, "gen_len": args.gen_len,
-                                                             "minutes": round((time.time() - t0) / 60, 2)}) + "\n")
+        print(
+            f"rollouts: {n} train seqs ({n * args.gen_len} generated tokens), "
+            f"{sum(s.shape[0] for s in ro_held['seqs'])} held-out seqs; "
+            f"{(time.time() - t0) / 60:.1f} min",
+            flush=True,
+        )
+        (work / "rollout_stats.json").write_text(
+            json.dumps(
+                {
+                    "train_seqs": n,
+                    "gen_len": args.gen_len,
+                    "minutes": round((time.time() - t0) / 60, 2),
+                }
+            )
+            + "\n"
+        )
     if "dflash" in stages or "dspark" in stages:
         ro = torch.load(ro_path)
         for kind in ("dflash", "dspark"):
             if kind in stages:
-                train_draft(args, kind, target, tcfg, ro["train"], ro["held"], Path(args.draft_root) / kind)
+                train_draft(
+                    args, kind, target, tcfg, ro["train"], ro["held"], Path(args.draft_root) / kind
+                )
     if "eval" in stages:
         run_eval(args, target, tok, root, held_files)
 

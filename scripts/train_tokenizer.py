@@ -7,6 +7,7 @@ Also writes split.json (the by-file train/held-out split) next to it.
 
     python scripts/train_tokenizer.py --out dspark_launch/assets/tiny/target
 """
+
 import argparse
 import json
 import os
@@ -19,7 +20,9 @@ import tiny_common as tc  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", default=str(tc.ASSETS / "target"))
     ap.add_argument("--split", default=str(tc.ASSETS / "split.json"))
     ap.add_argument("--seed", type=int, default=0)
@@ -36,8 +39,12 @@ def main():
     tok.decoder = decoders.ByteLevel()
     n_special = 2
     trainer = trainers.BpeTrainer(
-        vocab_size=tc.VOCAB_SIZE - n_special, min_frequency=2, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
+        vocab_size=tc.VOCAB_SIZE - n_special,
+        min_frequency=2,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+    )
 
     def it():
         for rel in train:
@@ -51,14 +58,29 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None, "eos_token": tc.EOS_TOKEN, "pad_token": tc.EOS_TOKEN,
-        "mask_token": tc.MASK_TOKEN, "model_max_length": 2048,
-        "clean_up_tokenization_spaces": False, "add_bos_token": False,
-    }, indent=1) + "\n")
-    (out / "special_tokens_map.json").write_text(json.dumps({
-        "eos_token": tc.EOS_TOKEN, "pad_token": tc.EOS_TOKEN, "mask_token": tc.MASK_TOKEN}, indent=1) + "\n")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": None,
+                "eos_token": tc.EOS_TOKEN,
+                "pad_token": tc.EOS_TOKEN,
+                "mask_token": tc.MASK_TOKEN,
+                "model_max_length": 2048,
+                "clean_up_tokenization_spaces": False,
+                "add_bos_token": False,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+    (out / "special_tokens_map.json").write_text(
+        json.dumps(
+            {"eos_token": tc.EOS_TOKEN, "pad_token": tc.EOS_TOKEN, "mask_token": tc.MASK_TOKEN},
+            indent=1,
+        )
+        + "\n"
+    )
     nbytes = ntok = 0
     for rel in held:
         s = tc.read_text(root, rel)
@@ -66,8 +88,11 @@ def main():
         ntok += len(tok.encode(s).ids)
     sample = "def foo(self, x):\n    return x + 1\n"
     assert tok.decode(tok.encode(sample).ids) == sample
-    print(f"vocab {tok.get_vocab_size()} eos={eos} mask={mask}; held-out {nbytes/ntok:.2f} bytes/token; "
-          f"{time.time()-t0:.1f}s -> {out/'tokenizer.json'}")
+    print(
+        f"vocab {tok.get_vocab_size()} eos={eos} mask={mask}; "
+        f"held-out {nbytes / ntok:.2f} bytes/token; "
+        f"{time.time() - t0:.1f}s -> {out / 'tokenizer.json'}"
+    )
 
 
 if __name__ == "__main__":
