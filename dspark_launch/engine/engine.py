@@ -225,7 +225,9 @@ class Engine:
         if all(t < GREEDY_EPS for t in temps):
             if not rows:
                 return [], None
-            return self.target.greedy(hidden[rows]).tolist(), None
+            # A pure decode step wants every row: skip the gather.
+            picked = hidden if rows == list(range(hidden.shape[0])) else hidden[rows]
+            return self.target.greedy(picked).tolist(), None
         logits = self.target.logits(hidden[rows]).float().cpu()
         probs = torch.cat([
             probs_from_logits(logits[i:i + 1], t, self.limits.top_k, self.limits.top_p)
