@@ -161,9 +161,11 @@ class KVSpace:
         pages.extend(new_pages)
         # Positions [current, length) land first in the partly used last page (the
         # remainder of a page already held), then in the new pages, in order.
+        # Only the pages these positions touch are converted: this runs every decode step.
         ps = self.page_size
+        first = current // ps
         pos = torch.arange(current, length, dtype=torch.int64)
-        page_ids = torch.tensor(pages, dtype=torch.int64)[pos // ps]
+        page_ids = torch.tensor(pages[first:], dtype=torch.int64)[pos // ps - first]
         self.req_to_token[slot, current:length] = (page_ids * ps + pos % ps).to(
             self.req_to_token.device
         )
