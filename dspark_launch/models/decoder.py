@@ -75,20 +75,23 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SiLU-gated MLP sharded over the FULL tp group (rows already DP-gathered)."""
+    """SiLU-gated MLP sharded over a group: the FULL tp group for the target (rows already
+    DP-gathered), attn_tp for the drafts (which never leave their attention group)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, over_attn_tp: bool = False) -> None:
         super().__init__()
         p = get_parallel()
+        shards, rank, group = ((p.attn_tp_size, p.attn_tp_rank, p.attn_tp_group) if over_attn_tp
+                               else (p.tp_size, p.tp_rank, p.tp_group))
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [intermediate_size, intermediate_size], bias=False,
-            shards=p.tp_size, rank=p.tp_rank, dtype=dtype, device=device)
+            shards=shards, rank=rank, dtype=dtype, device=device)
         self.down_proj = RowParallelLinear(
-            intermediate_size, hidden_size, bias=False, shards=p.tp_size, rank=p.tp_rank,
-            group=p.tp_group, dtype=dtype, device=device)
+            intermediate_size, hidden_size, bias=False, shards=shards, rank=rank,
+            group=group, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, d] -> [N, d], reduced over tp
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, d] -> [N, d], reduced over the group
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 

@@ -21,35 +21,14 @@ from dspark_launch.attention import AttentionBackend, ForwardMetadata
 from dspark_launch.memory.kv_pool import KVPool
 from dspark_launch.parallel import get_parallel
 
-from .decoder import Attention
+from .decoder import MLP, Attention
 from .draft_config import DraftConfig
 from .layers import (
     ColumnParallelLinear,
-    MergedColumnParallelLinear,
     RMSNorm,
     RotaryEmbedding,
-    RowParallelLinear,
     apply_rotary,
-    silu_and_mul,
 )
-
-
-class DraftMLP(nn.Module):
-    """SiLU-gated MLP sharded over attn_tp (the target's MLP uses the full tp group)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
-        super().__init__()
-        p = get_parallel()
-        self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size, intermediate_size], bias=False,
-            shards=p.attn_tp_size, rank=p.attn_tp_rank, dtype=dtype, device=device)
-        self.down_proj = RowParallelLinear(
-            intermediate_size, hidden_size, bias=False, shards=p.attn_tp_size,
-            rank=p.attn_tp_rank, group=p.attn_tp_group, dtype=dtype, device=device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, d] -> [T, d], reduced over attn_tp
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DraftLayer(nn.Module):
@@ -58,7 +37,7 @@ class DraftLayer(nn.Module):
         super().__init__()
         # The target's attention block: same qkv/o sharding over attn_tp, same q/k norms.
         self.self_attn = Attention(cfg.layer_config(), dtype, device)
-        self.mlp = DraftMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device, over_attn_tp=True)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
                                                 device)
