@@ -36,7 +36,8 @@ def layout_report(state: ParallelState) -> dict:
     """This rank's place in the world, with the attn_tp group proven by a real all-reduce."""
     from dspark_launch.comm import attn_tp_all_reduce
 
-    member_sum = attn_tp_all_reduce(torch.tensor([state.rank], dtype=torch.int64))
+    member_sum = attn_tp_all_reduce(torch.tensor([state.rank], dtype=torch.int64,
+                                                 device=state.device))
     return {
         "rank": state.rank,
         "node_rank": state.node_rank,
@@ -59,8 +60,6 @@ def layout_report(state: ParallelState) -> dict:
 
 def report_topology() -> list[dict]:
     """Gather every rank's layout to rank 0 and print it there, one JSON line per rank."""
-    import torch.distributed as dist
-
     state = get_parallel()
     mine = layout_report(state)
     everyone: list[dict] = [{}] * state.world_size
@@ -110,9 +109,11 @@ def is_collective_failure(err: BaseException) -> bool:
     """A collective broke because of another rank (its death, or a timeout), not this one."""
     if isinstance(err, dist.DistError):
         return True
+    # gloo reports a dead peer and an expired --dist-timeout with these; anything else
+    # (this rank's own OOM, a bad tensor) is this rank's failure and keeps its traceback.
     text = str(err)
-    return any(s in text for s in ("Connection closed by peer", "Connection reset", "gloo",
-                                   "Timed out", "timed out", "NCCL", "Broken pipe"))
+    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer",
+                                   "Broken pipe", "Timed out waiting"))
 
 
 def main(argv: list[str] | None = None) -> int:

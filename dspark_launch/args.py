@@ -92,6 +92,7 @@ class RunConfig:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dspark_launch",
+        allow_abbrev=False,  # `--tp` must not silently mean --tp-size
         description="Speculative decoding (DFlash / DSpark block drafters) under torchrun. "
         "Run as `torchrun --nproc-per-node N -m dspark_launch [flags]`; outside torchrun it "
         "runs as a world of one.",
@@ -155,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill tokens per step per attn_dp group")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-k", type=int, default=0, help="0 or -1 = off")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("output")
     g.add_argument("--output", default=None, help="JSONL, one line per request, input order")
@@ -167,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="progress bar on rank 0 even when stderr is not a TTY")
     g.add_argument("--log-all-ranks", action="store_true",
                    help="log from every rank, each line prefixed with its rank")
-    g.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    g.add_argument("--log-level", default="INFO", type=str.upper,
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
 
 
@@ -226,6 +228,8 @@ def resolve_config(argv: list[str] | None = None, world_size: int | None = None)
     _positive("--context-length", ns.context_length)
     _positive("--ngram-max", ns.ngram_max)
     _positive("--temperature", ns.temperature, allow_zero=True)
+    if ns.top_k == -1:  # vLLM/SGLang spelling of "off"
+        ns.top_k = 0
     _positive("--top-k", ns.top_k, allow_zero=True)
     _positive("--dist-timeout", ns.dist_timeout)
     if not 0.0 < ns.top_p <= 1.0:

@@ -40,11 +40,6 @@ def attn_tp_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     return all_reduce(tensor, get_parallel().attn_tp_group)
 
 
-def attn_tp_all_gather(tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Concatenate this attention-TP group's shards along `dim`."""
-    return torch.cat(all_gather(tensor, get_parallel().attn_tp_group), dim=dim)
-
-
 def all_gather_ints(values: list[int], group: dist.ProcessGroup | None = None) -> list[list[int]]:
     """Every rank's small int vector (same length everywhere), over the CPU control group."""
     group = group if group is not None else get_parallel().cpu_group
@@ -68,8 +63,3 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     dist.broadcast(payload, src=src, group=state.cpu_group)
     return obj if state.rank == src else pickle.loads(payload.numpy().tobytes())
 
-
-def barrier() -> None:
-    state = get_parallel()
-    if group_size(state.cpu_group) > 1:
-        dist.barrier(group=state.cpu_group)

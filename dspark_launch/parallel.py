@@ -57,14 +57,6 @@ class ParallelState:
             world_size=self.world_size,
         )
 
-    @property
-    def is_first_rank(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def has_groups(self) -> bool:
-        return self.tp_group is not None
-
 
 def validate_layout(
     *,

@@ -81,8 +81,8 @@ class Engine:
         while True:
             progress.step = self.steps
             plan = sched.schedule()
-            if plan.empty and sched.has_work:
-                pending.append(self._unstick(sched))
+            if plan.empty and sched.has_work and (stuck := self._unstick(sched)) is not None:
+                pending.append(stuck)
             # One small all-gather per step: who has tokens, who has work, who finished
             # something, and whether any rank was asked to stop (so all stop after this step).
             flags = all_gather_ints([int(not plan.empty), int(sched.has_work), len(pending),
@@ -112,7 +112,7 @@ class Engine:
 
     def _draft_limit(self, req: Request) -> int:
         """Drafts worth verifying: never past max_new_tokens or the context limit."""
-        room = min(req.remaining, self.limits.context_limit - len(req.all_ids) + 1)
+        room = min(req.remaining, self.limits.context_limit - req.num_ids)
         return max(0, min(self.proposer.max_drafts, room - 1))
 
     def _step(self, plan: StepPlan, sched: Scheduler) -> list[Request]:
@@ -142,7 +142,7 @@ class Engine:
         # Rows whose next-token distribution matters: a prefill's last row when it completes
         # a fresh prompt, and every row of a verify block.
         n_pre = len(plan.prefill)
-        first = [r.kv_len + n == len(r.fill_ids) and not r.output_ids for r, n in plan.prefill]
+        first = [r.kv_len + n == r.fill_len and not r.output_ids for r, n in plan.prefill]
         rows = [starts[i + 1] - 1 for i, f in enumerate(first) if f]
         temps = [r.spec.temperature for (r, _), f in zip(plan.prefill, first) if f]
         for j, (req, block) in enumerate(zip(plan.decode, blocks)):
@@ -243,7 +243,7 @@ class Engine:
                 return self._finish(req, "stop")
             if len(req.output_ids) >= req.spec.max_new_tokens:
                 return self._finish(req, "length")
-            if len(req.all_ids) >= self.limits.context_limit:
+            if req.num_ids >= self.limits.context_limit:
                 return self._finish(req, "context_length")
         return False
 
@@ -252,9 +252,14 @@ class Engine:
         req.finished_at = time.perf_counter()
         return True
 
-    def _unstick(self, sched: Scheduler) -> Request:
-        """Nothing could be scheduled although work remains: the head request can never fit
-        the pool. It ends with finish_reason "kv_capacity" instead of hanging the job."""
+    def _unstick(self, sched: Scheduler) -> Request | None:
+        """Nothing could be scheduled although work remains. Several running requests that
+        hold each other's pages: the youngest yields (recomputed later). A lone request that
+        still cannot fit ends with finish_reason "kv_capacity" instead of hanging the job
+        (context_limit is sized so that this should not happen)."""
+        if len(sched.running) > 1:
+            sched.preempt(max(sched.running, key=lambda r: r.admitted_seq))
+            return None
         req = sched.running[0] if sched.running else sched.waiting[0]
         self._finish(req, "kv_capacity")
         if req.status is Status.WAITING:

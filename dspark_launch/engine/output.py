@@ -69,6 +69,7 @@ class OutputWriter:
         self.tokenizer = tokenizer
         self.prompts = {s.index: s for s in specs or []}
         self.records: list[dict] = []
+        self.resumed = 0  # records carried over from an earlier run (not this run's work)
         self._file = None
         if path is None:
             return
@@ -82,6 +83,7 @@ class OutputWriter:
         if resume and p.exists():
             self.records = [json.loads(line) for line in p.read_text().splitlines()
                             if _complete(line)]
+            self.resumed = len(self.records)
         self._file = open(p, "w", encoding="utf-8")  # noqa: SIM115 - held across the run
         for record in self.records:
             self._write(record)

@@ -58,8 +58,16 @@ class Request:
         return ids + self.output_ids[:-1] if self.output_ids else ids
 
     @property
+    def fill_len(self) -> int:
+        return len(self.spec.prompt_ids) + max(0, len(self.output_ids) - 1)
+
+    @property
+    def num_ids(self) -> int:
+        return len(self.spec.prompt_ids) + len(self.output_ids)
+
+    @property
     def prefilling(self) -> bool:
-        return self.status is Status.RUNNING and self.kv_len < len(self.fill_ids)
+        return self.status is Status.RUNNING and self.kv_len < self.fill_len
 
     @property
     def decoding(self) -> bool:

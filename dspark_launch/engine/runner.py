@@ -76,8 +76,11 @@ def load_tokenizer(model_dir: str):
     return Tokenizer.from_file(str(path))
 
 
-def read_requests(cfg: RunConfig, tokenizer, context_limit: int, vocab_size: int):
-    """Rank 0 reads and tokenizes; every rank gets the same specs (or the same error)."""
+def read_requests(cfg: RunConfig, tokenizer, context_limit: int, vocab_size: int
+                  ) -> tuple[list, set[int]]:
+    """Rank 0 reads and tokenizes; every rank gets the same specs and the same set of
+    requests to skip on --resume (or the same error). Only rank 0 reads --output: other
+    nodes may not have it, and rank 0 rewrites it right after."""
     state = get_parallel()
     payload: object = None
     if state.rank == 0:
@@ -88,8 +91,10 @@ def read_requests(cfg: RunConfig, tokenizer, context_limit: int, vocab_size: int
                 rows, source = [{"prompt": cfg.prompt}], "--prompt"
             else:
                 rows, source = read_prompt_file(str(BUILTIN_PROMPTS)), "built-in prompts"
-            payload = build_specs(rows, tokenizer, cfg.max_new_tokens, cfg.temperature,
-                                  context_limit, vocab_size, source)
+            specs = build_specs(rows, tokenizer, cfg.max_new_tokens, cfg.temperature,
+                                context_limit, vocab_size, source)
+            skip = completed_indices(cfg.output) if cfg.resume and cfg.output else set()
+            payload = (specs, skip)
         except ConfigError as err:
             payload = err
     payload = broadcast_object(payload)
@@ -130,8 +135,7 @@ def run_job(cfg: RunConfig) -> int:
             plan.target_cell, plan.draft_cell, context_limit, backend.name)
 
     tokenizer = load_tokenizer(ckpt.model)
-    specs = read_requests(cfg, tokenizer, context_limit, target.config.vocab_size)
-    skip = completed_indices(cfg.output) if cfg.resume and cfg.output else set()
+    specs, skip = read_requests(cfg, tokenizer, context_limit, target.config.vocab_size)
     writer, refusal = None, None
     if state.rank == 0:
         try:
@@ -164,7 +168,7 @@ def run_job(cfg: RunConfig) -> int:
                                   "output_ids": record["output_ids"]}), flush=True)
         if progress is not None:
             progress.update(len(records))
-            done = writer.records
+            done = writer.records[writer.resumed:]
             rounds = [n for r in done for n in r["accept_lens"]]
             elapsed = time.perf_counter() - start
             progress.set_postfix(
@@ -183,7 +187,7 @@ def run_job(cfg: RunConfig) -> int:
     if not memory.space.is_full():
         raise RuntimeError("KV rows leaked: the allocator is not full after every request ended")
     if state.rank == 0:
-        summary = summarize(writer.records, wall, {
+        summary = summarize(writer.records[writer.resumed:], wall, {
             "algorithm": ckpt.algorithm,
             "steps": engine.steps,
             "topology": {"world_size": state.world_size, "tp_size": state.tp_size,

@@ -42,6 +42,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque(requests)
         self.running: list[Request] = []
         self._admitted = 0
+        self._preempted_now = False
 
     @property
     def has_work(self) -> bool:
@@ -49,6 +50,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
+        self._preempted_now = False
         for req in sorted((r for r in self.running if r.decoding), key=lambda r: r.admitted_seq):
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
@@ -58,13 +60,16 @@ class Scheduler:
         for req in sorted((r for r in self.running if r.prefilling), key=lambda r: r.admitted_seq):
             if budget == 0:
                 break
-            n = min(budget, len(req.fill_ids) - req.kv_len)
+            n = min(budget, req.fill_len - req.kv_len)
             if self.space.reserve(req.slot, req.kv_len + n):
                 plan.prefill.append((req, n))
                 budget -= n
-        while budget > 0 and self.waiting and len(self.running) < self.max_running:
+        # No admissions in a step that preempted: the victim would be re-admitted into the
+        # pages it just gave up and preempted again next step, wasting its prefill each time.
+        while (budget > 0 and self.waiting and len(self.running) < self.max_running
+               and not self._preempted_now):
             req = self.waiting[0]
-            n = min(budget, len(req.fill_ids))
+            n = min(budget, req.fill_len)
             slot = self.space.new_slot()
             if slot is None:
                 break
@@ -95,6 +100,7 @@ class Scheduler:
         return True
 
     def preempt(self, req: Request) -> None:
+        self._preempted_now = True
         self.space.free_slot(req.slot)
         self.running.remove(req)
         req.slot, req.status, req.kv_len = None, Status.WAITING, 0

@@ -158,6 +158,7 @@ def _draw(logits: torch.Tensor, temps: torch.Tensor,
     token = logits.argmax(dim=-1)  # ties -> lowest id, like the target's greedy
     for row in torch.nonzero(~greedy).flatten().tolist():
         gen = generators[row] if generators is not None else None
-        token[row] = torch.multinomial(probs[row], 1, generator=gen)[0]
+        # Per-request generators live on the CPU (same draws at any topology/device).
+        token[row] = torch.multinomial(probs[row].cpu(), 1, generator=gen)[0].to(token.device)
     one_hot = F.one_hot(token, logits.shape[-1]).to(probs.dtype)
     return token, torch.where(greedy[:, None], one_hot, probs)
