@@ -39,6 +39,12 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [T, Hq_local, Dv]
         """Store k/v at meta.out_rows, then attend. T == 0 returns an empty tensor."""
 
+    def _prepared(self, meta: ForwardMetadata):
+        """This backend's per-forward state, preparing it if the caller did not."""
+        if meta.backend_state.get(self.name) is None:
+            self.prepare(meta)
+        return meta.backend_state[self.name]
+
     @staticmethod
     def _empty_out(q: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         return q.new_empty((0, q.shape[1], v_cache.shape[-1]))

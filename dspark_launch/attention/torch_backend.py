@@ -142,10 +142,7 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta, sm_scale):
         if q.shape[0] == 0:
             return self._empty_out(q, v_cache)
-        state = meta.backend_state.get(self.name)
-        if state is None:
-            self.prepare(meta)
-            state = meta.backend_state[self.name]
+        state = self._prepared(meta)
         store_kv_torch(k_cache, v_cache, k, v, meta.out_rows,
                        rows_valid=meta.backend_state[self.name + ".rows_valid"])
         gqa = q.shape[1] != k_cache.shape[1]

@@ -59,10 +59,7 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta, sm_scale):
         if q.shape[0] == 0:
             return self._empty_out(q, v_cache)
-        state = meta.backend_state.get(self.name)
-        if state is None:
-            self.prepare(meta)
-            state = meta.backend_state[self.name]
+        state = self._prepared(meta)
         self._k.store_kv(k_cache, v_cache, k, v, meta.out_rows)
         if state.decode:
             num_splits = self._k.choose_num_splits(
