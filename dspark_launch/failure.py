@@ -90,13 +90,14 @@ def describe_collective_failure(rank: int, world_size: int, err: BaseException) 
         f"(noticed by rank {rank}: {first_line})")
 
 
-FAULT_ENV = "DSPARK_FAULT"  # test hook: "RANK:STEP:raise|kill|hang"
+FAULT_ENV = "DSPARK_FAULT"  # test hook: "RANK:STEP:raise|kill|hang", first attempt only
 
 
 def inject_fault(rank: int, step: int) -> None:
     """Fail on purpose where DSPARK_FAULT says, so failure handling is tested for real."""
     spec = os.environ.get(FAULT_ENV)
-    if not spec:
+    # Only the first attempt fails: a job restarted by torchrun --max-restarts runs clean.
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
     want_rank, want_step, kind = spec.split(":")
     if int(want_rank) != rank or int(want_step) != step:
