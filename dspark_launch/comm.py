@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from dspark_launch.errors import ConfigError
 from dspark_launch.parallel import get_parallel
 
 
@@ -63,3 +65,33 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     dist.broadcast(payload, src=src, group=state.cpu_group)
     return obj if state.rank == src else pickle.loads(payload.numpy().tobytes())
 
+
+
+T = TypeVar("T")
+
+
+def agreed(step: Callable[[], T]) -> T:
+    """Run a startup step on every rank; when any rank raises a ConfigError, every rank raises
+    one that names the failing ranks (a shard missing on one node must not leave the others
+    waiting in the next collective until --dist-timeout)."""
+    error = None
+    result = None
+    try:
+        result = step()
+    except ConfigError as err:
+        error = str(err)
+    state = get_parallel()
+    errors = [error]
+    if group_size(state.cpu_group) > 1:
+        errors = [None] * state.world_size
+        dist.all_gather_object(errors, error, group=state.cpu_group)
+    by_message: dict[str, list[int]] = {}
+    for rank, message in enumerate(errors):
+        if message is not None:
+            by_message.setdefault(message, []).append(rank)
+    if not by_message:
+        return result  # type: ignore[return-value]
+    if len(by_message) == 1 and len(next(iter(by_message.values()))) == len(errors):
+        raise ConfigError(next(iter(by_message)))  # the same on every rank: say it once
+    raise ConfigError("; ".join(f"on rank(s) {ranks}: {message}"
+                                for message, ranks in by_message.items()))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from dspark_launch.args import RunConfig
 from dspark_launch.attention import make_backend
-from dspark_launch.comm import broadcast_object
+from dspark_launch.comm import agreed, broadcast_object
 from dspark_launch.engine.engine import Engine, EngineLimits
 from dspark_launch.engine.inputs import BUILTIN_PROMPTS, build_specs, read_prompt_file
 from dspark_launch.engine.output import (
@@ -103,16 +103,21 @@ def read_requests(cfg: RunConfig, tokenizer, context_limit: int, vocab_size: int
     return payload
 
 
+def _load(cfg: RunConfig, dtype: str, device):
+    ckpt = resolve_checkpoints(cfg)
+    target = load_model(ckpt.model, dtype, device)
+    return ckpt, target, make_proposer(cfg, ckpt.algorithm, ckpt.draft, target, device, dtype)
+
+
 def run_job(cfg: RunConfig) -> int:
     state = get_parallel()
     device = state.device
-    ckpt = resolve_checkpoints(cfg)
     free_before = measure_free_bytes(device) if device.type == "cuda" else None
     # On CPU "auto" computes in fp32: bf16 matmuls there are slow and flip near-ties between
     # a batched verify and one-token decoding. On CUDA "auto" keeps the checkpoint's dtype.
     dtype = "float32" if cfg.dtype == "auto" and device.type == "cpu" else cfg.dtype
-    target = load_model(ckpt.model, dtype, device)
-    proposer_parts = make_proposer(cfg, ckpt.algorithm, ckpt.draft, target, device, dtype)
+    # Checkpoints are read per rank (each its own shards): agree before the next collective.
+    ckpt, target, proposer_parts = agreed(lambda: _load(cfg, dtype, device))
     plan = configure_memory(cfg, target_geometry(target), proposer_parts.geometry, device,
                             free_before)
     round_rows = max(1 + proposer_parts.max_drafts, proposer_parts.block_rows)
