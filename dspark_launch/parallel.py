@@ -185,7 +185,8 @@ def init_distributed_environment(
         backend = "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     if "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+        dist.init_process_group(backend, store=_launch_store(rank, world_size, timeout),
+                                rank=rank, world_size=world_size, timeout=timeout)
     else:  # outside torchrun: a world of one, so every collective is the same code path
         if world_size != 1:
             raise ConfigError(f"WORLD_SIZE={world_size} is set but MASTER_ADDR is not")
@@ -208,6 +209,23 @@ def init_distributed_environment(
         backend=backend,
     )
     return _stamped
+
+
+def _launch_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store torchrun announced, under a per-attempt prefix.
+
+    After a torchrun --max-restarts restart the agent's store still holds the previous
+    attempt's gloo addresses under the same keys; a rank that reads one before its peer
+    overwrites it connects to a dead process. A prefix per TORCHELASTIC_RESTART_COUNT keeps
+    attempts apart (torchrun's agent hosts the store when TORCHELASTIC_USE_AGENT_STORE=True,
+    else rank 0 does, as with plain env://).
+    """
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+        is_master=rank == 0 and not agent_store, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"dspark/attempt_{attempt}", store)
 
 
 def _new_groups(rank_lists: list[list[int]], backend: str | None, timeout_s: float):

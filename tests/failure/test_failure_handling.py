@@ -148,3 +148,15 @@ def test_resume_after_interrupt_equals_an_uninterrupted_run(job: dict, reference
     assert rc == 0, err[-2000:]
     assert _records(out) == reference
 
+
+
+def test_torchrun_max_restarts_resumes_from_the_output(job: dict, reference: dict) -> None:
+    """Elastic conventions: rank 1 dies, torchrun restarts the job, --resume skips what the
+    first attempt completed, and the final file equals an uninterrupted run's."""
+    out = job["root"] / "restart.jsonl"
+    cmd = LAUNCH[:3] + ["--max-restarts", "1"] + LAUNCH[3:]
+    rc, err, _ = _run(cmd + job["flags"] + ["--output", str(out), "--resume"],
+                      {**ENV, "DSPARK_FAULT": "1:40:kill"})
+    assert rc == 0, err[-3000:]
+    assert "rank(s) [1] of 2 stopped answering during step 40" in err  # the first attempt
+    assert _records(out) == reference
