@@ -1,0 +1,89 @@
+"""Per-request sampling and stopping parameters (the OpenAI / vLLM field names).
+
+The engine reads the token-level fields (temperature, top_k, top_p, seed, max_tokens,
+min_tokens, stop_token_ids, ignore_eos); text-level stop strings are applied above the engine
+by the output processor, which detokenizes and aborts the request when one appears.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy (argmax)
+
+
+class ParamError(ValueError):
+    """A bad sampling parameter: `param` names the field, the message what is accepted."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    seed: int | None = None  # None: the engine's seed, keyed by the request
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    n: int = 1
+    skip_special_tokens: bool = True
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        # Accept lists/strings where tuples are meant (JSON and user code hand those in).
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+    def validate(self) -> None:
+        def bad(name: str, accepted: str) -> ParamError:
+            return ParamError(name, f"{name}={getattr(self, name)!r}: {accepted}")
+
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
+                or self.max_tokens < 1:
+            raise bad("max_tokens", "must be an integer >= 1")
+        if not _finite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "must be a number >= 0 (0 is greedy)")
+        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", "must be an integer >= 0 (0 or -1 turn it off)")
+        if self.seed is not None and (isinstance(self.seed, bool)
+                                      or not isinstance(self.seed, int) or self.seed < 0):
+            raise bad("seed", "must be a non-negative integer or null")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                   for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of non-negative token ids")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
+                or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}]")
+        if self.n != 1:
+            raise bad("n", "only n=1 is supported (send the request n times with other seeds)")
+
+    def with_defaults(self, defaults: dict) -> SamplingParams:
+        """Fill fields the caller left at their class default from e.g. generation_config.json."""
+        names = {f.name for f in fields(self)}
+        changes = {k: v for k, v in defaults.items()
+                   if k in names and getattr(self, k) == getattr(SamplingParams, k, None)}
+        return replace(self, **changes) if changes else self
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
