@@ -48,6 +48,15 @@ class EngineLimits:
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class StepStats:
+    """What this rank's group did in the last step (benchmarks split prefill from decode)."""
+
+    prefill_tokens: int = 0
+    decode_requests: int = 0
+    forward_tokens: int = 0
+
+
 @dataclass
 class Verified:
     """A verify forward's results, still on the device."""
@@ -69,6 +78,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.device = target.device
         self.steps = 0
+        self.last_step = StepStats()
         state = get_parallel()
         self.sched = Scheduler([], self.space, limits.max_running, limits.chunk_size,
                                self._round_rows)
@@ -139,7 +149,9 @@ class Engine:
         t0 = time.perf_counter()
         proposal = self._propose(plan.decode)
         widths = self._widths(plan.decode, proposal)
-        tokens = sum(n for _, n in plan.prefill) + sum(1 + w for w in widths)
+        prefill_tokens = sum(n for _, n in plan.prefill)
+        tokens = prefill_tokens + sum(1 + w for w in widths)
+        self.last_step = StepStats(prefill_tokens, len(plan.decode), tokens)
         events: list[tuple] = []
         if state.rank == 0:
             idle = not self.live and plan.empty and not report
