@@ -193,3 +193,19 @@ def test_greedy_fast_path_never_gathers_the_vocabulary(tiny, tmp_path, monkeypat
                      for i, p in enumerate(PROMPTS[:6])], world=2)
     final = final_outputs(results[0])
     assert [list(final[f"r{i}"].output_ids) for i in range(6)] == ref
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_idle_engine_honours_signals(tiny, world):
+    """An idle engine parks rank 0 on its inbox (no busy loop: a few steps in 0.3 s, not
+    thousands) and still stops every rank after the step in which any rank got SIGTERM."""
+    import gc
+
+    from jobs import _idle_signal_rank
+    from multirank import run_world
+
+    gc.collect()
+    results = run_world(world, _idle_signal_rank, engine_args(tiny, "NONE"), timeout=60)
+    for r in results:
+        assert r["exit_code"] == 143
+        assert r["idle_steps"] < 10
