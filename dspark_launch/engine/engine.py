@@ -5,7 +5,9 @@ events and outputs). Inside an attn_dp group every rank holds the same requests 
 same tokens, so the group's schedulers agree without messages. Across groups the only
 couplings are the per-step exchange (engine/exchange.py) and the target forward, whose MLP
 gathers every group's tokens: every rank joins it whenever any group has tokens, idle ones with
-none. The host learns a step's results in one device->host copy (engine/transfer.py).
+none. The host learns a step's results in one device->host copy (spec/transfer.py; a DSpark
+confidence cut adds one read to size the verify), and sends it host values without waiting
+(attention.upload).
 
 Client calls (add_request, abort) are honoured on rank 0 and are no-ops elsewhere; they reach
 every rank through the next step's exchange.
