@@ -8,8 +8,13 @@ Differences from DFlash (models.md §3):
 - c_k = sigmoid(w . [h_k ; W1[x_{k-1}]] + b) estimates whether slot k will be accepted.
 
 The checkpoint's own `embed_tokens` / `lm_head` are frozen copies of the target's: the loader
-checks their shapes and drops them, and the engine embeds and computes U_k with the TARGET's
-(vocab-parallel) modules, as llama.cpp and tokenspeed do. That saves 2*V*d per rank.
+checks that they equal the loaded target's (draft_loader.check_target_copies) and drops them,
+and the engine embeds and computes U_k with the TARGET's (vocab-parallel) modules, as
+llama.cpp and tokenspeed do. That saves 2*V*d per rank.
+
+The Markov head is walked one slot at a time through `markov_state` / `markov_step` (the
+rnn head carries a state across the slots of one block); `sample_block` is the plain loop
+over them.
 """
 
 from __future__ import annotations
