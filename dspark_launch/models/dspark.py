@@ -152,7 +152,9 @@ class DSparkDraft(DFlashDraft):
         prev [N] int64 (x_{k-1}; the anchor at k = 0), hidden [N, d] (h_k, final-normed),
         state from markov_state / the previous step -> (bias [N, V'] fp32, next state).
         vocab: a contiguous slice of ids (e.g. one rank's vocab shard): only those columns
-        are computed. Without a Markov head the bias is 0.
+        are computed. It is not padded past V: pass the ids a rank owns
+        (slice(start, start + owned)), not its padded shard. Without a Markov head the bias
+        is 0.
         """
         if self.markov_head is None:
             cols = self.config.vocab_size if vocab is None else \
