@@ -18,23 +18,24 @@ MAX_SPLITS = 8
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # runtime: one compile for every count
 def _decode_stage1(
     Q,  # [B, HQ, D]
     K,  # [rows, HKV, D]
     V,  # [rows, HKV, DV]
     KvIndptr,  # [B+1] int64
     KvIndices,  # [nnz] int64
-    AttOut,  # [B, HQ, NUM_SPLITS, DV] fp32, per-split normalized partial output
-    AttLse,  # [B, HQ, NUM_SPLITS] fp32, per-split log2-sum-exp2 (-inf if empty)
+    AttOut,  # [B, HQ, >=num_splits, DV] fp32, per-split normalized partial output
+    AttLse,  # [B, HQ, >=num_splits] fp32, per-split log2-sum-exp2 (-inf if empty)
     qk_scale,  # sm_scale * log2(e)
     stride_qb, stride_qh,
     stride_kr, stride_kh,
     stride_vr, stride_vh,
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
+    num_splits,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
-    D: tl.constexpr, DV: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
@@ -47,7 +48,7 @@ def _decode_stage1(
     kv_start = tl.load(KvIndptr + b)
     kv_len = tl.load(KvIndptr + b + 1) - kv_start
     # Splits are whole BLOCK_N tiles so only the sequence's last tile is partial.
-    chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, kv_len)
 
@@ -146,7 +147,8 @@ def paged_decode_attention(
         v_cache.stride(0), v_cache.stride(1),
         att_out.stride(0), att_out.stride(1), att_out.stride(2),
         att_lse.stride(0), att_lse.stride(1),
-        GROUP=group, HEAD_BLOCKS=head_blocks, D=d, DV=dv, NUM_SPLITS=num_splits,
+        num_splits,
+        GROUP=group, HEAD_BLOCKS=head_blocks, D=d, DV=dv,
         BLOCK_H=block_h, BLOCK_N=32, BLOCK_D=pow2(d), BLOCK_DV=pow2(dv),
         DOT_PREC=dot_precision(q.dtype), UPCAST=interpreting(),
     )

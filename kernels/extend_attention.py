@@ -8,8 +8,9 @@ shared by the whole GQA group.
 
 Split-K: a short block (verify, draft; <= VERIFY_MAX_Q rows) at long context has only
 batch * Hkv programs, far too few to fill a GPU, each walking the whole context. With
-NUM_SPLITS > 1 the visible key range is cut into NUM_SPLITS chunks, each program writes a
-normalized partial + LSE, and lse_merge (the decode kernel's merge) combines them.
+num_splits > 1 (SPLIT_K) the visible key range is cut into num_splits chunks, each program
+writes a normalized partial + LSE, and lse_merge (the decode kernel's merge) combines them.
+num_splits is a runtime value so the counts a serving run meets share one compiled kernel.
 """
 
 from __future__ import annotations
@@ -27,14 +28,14 @@ MAX_EXTEND_SPLITS = 32
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _extend_kernel(
     Q,  # [T, HQ, D]
     K,  # [rows, HKV, D]
     V,  # [rows, HKV, DV]
-    Out,  # [T, HQ, DV] (NUM_SPLITS == 1)
-    AttOut,  # [T, HQ, NUM_SPLITS, DV] fp32 normalized partials (NUM_SPLITS > 1)
-    AttLse,  # [T, HQ, NUM_SPLITS] fp32 log2-sum-exp2, -inf if the split saw no key
+    Out,  # [T, HQ, DV] (not SPLIT_K)
+    AttOut,  # [T, HQ, num_splits, DV] fp32 normalized partials (SPLIT_K)
+    AttLse,  # [T, HQ, num_splits] fp32 log2-sum-exp2, -inf if the split saw no key
     QIndptr,  # [B+1] int64
     KvIndptr,  # [B+1] int64
     KvIndices,  # [nnz] int64
@@ -47,8 +48,9 @@ def _extend_kernel(
     stride_ot, stride_oh,
     stride_at, stride_ah, stride_as,
     stride_lt, stride_lh,
+    num_splits,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, GP: tl.constexpr,
-    D: tl.constexpr, DV: tl.constexpr, MASK_MODE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, MASK_MODE: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
@@ -57,8 +59,8 @@ def _extend_kernel(
     b = tl.program_id(0).to(tl.int64)
     kh = tl.program_id(1) // HEAD_BLOCKS
     hblk = tl.program_id(1) % HEAD_BLOCKS
-    qblk = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
+    qblk = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
 
     q_start = tl.load(QIndptr + b)
     q_len = tl.load(QIndptr + b + 1) - q_start
@@ -90,8 +92,8 @@ def _extend_kernel(
         last_tok = tl.minimum(qblk * BLOCK_Q + BLOCK_Q, q_len) - 1
         hi = tl.minimum(kv_len, prefix + last_tok + 1)
     # This program's split of [0, hi): whole BLOCK_N tiles, so only the last tile is
-    # partial; with NUM_SPLITS == 1 it is all of [0, hi).
-    chunk = tl.cdiv(tl.cdiv(hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    # partial; with one split it is all of [0, hi).
+    chunk = tl.cdiv(tl.cdiv(hi, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, hi)
     if MASK_MODE == 2:
@@ -138,7 +140,7 @@ def _extend_kernel(
 
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]  # rows that saw no key -> 0
-    if NUM_SPLITS == 1:
+    if not SPLIT_K:
         tl.store(
             Out + tok64[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
             out.to(Out.dtype.element_ty),
@@ -217,8 +219,9 @@ def extend_attention(
         out.stride(0), out.stride(1),
         att_out.stride(0), att_out.stride(1), att_out.stride(2),
         att_lse.stride(0), att_lse.stride(1),
+        num_splits,
         GROUP=group, HEAD_BLOCKS=head_blocks, GP=gp, D=d, DV=dv,
-        MASK_MODE=MASK_MODES[mask_mode], NUM_SPLITS=num_splits,
+        MASK_MODE=MASK_MODES[mask_mode], SPLIT_K=num_splits > 1,
         BLOCK_Q=block_q, BLOCK_N=32, BLOCK_D=pow2(d), BLOCK_DV=pow2(dv),
         DOT_PREC=dot_precision(q.dtype), UPCAST=interpreting(),
     )

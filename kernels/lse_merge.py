@@ -19,22 +19,24 @@ from .utils import pow2, sm_count
 MIN_SPLIT_KV = 256  # shorter splits cost more in partial writes + merge than they save
 
 
-@triton.jit
+# num_splits is a runtime value (not constexpr, not specialized) so the split counts a
+# serving run meets compile one kernel per power-of-two BLOCK_S, not one per count.
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
-    AttOut,  # [R, H, NUM_SPLITS, DV] fp32
-    AttLse,  # [R, H, NUM_SPLITS] fp32 (log2 domain)
+    AttOut,  # [R, H, >=num_splits, DV] fp32
+    AttLse,  # [R, H, >=num_splits] fp32 (log2 domain)
     Out,  # [R, H, DV]
     stride_ar, stride_ah, stride_as,
     stride_lr, stride_lh,
     stride_or, stride_oh,
-    DV: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+    num_splits,
+    DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     offs_dv = tl.arange(0, BLOCK_DV)
-    s_mask = offs_s < NUM_SPLITS
+    s_mask = offs_s < num_splits
     lse = tl.load(AttLse + r * stride_lr + h * stride_lh + offs_s, mask=s_mask,
                   other=float("-inf"))  # [BLOCK_S]
     m = tl.max(lse, 0)
@@ -82,6 +84,7 @@ def merge_splits(
         att_out.stride(0), att_out.stride(1), att_out.stride(2),
         att_lse.stride(0), att_lse.stride(1),
         out.stride(0), out.stride(1),
-        DV=dv, NUM_SPLITS=num_splits, BLOCK_S=pow2(num_splits, 1), BLOCK_DV=pow2(dv, 1),
+        num_splits,
+        DV=dv, BLOCK_S=pow2(num_splits, 1), BLOCK_DV=pow2(dv, 1),
     )
     return out
