@@ -161,8 +161,8 @@ def _extend_kernel(
 def choose_extend_splits(
     batch: int, num_kv_heads: int, max_q_len: int, max_kv_len: int, device
 ) -> int:
-    """Split-K only for short blocks (<= VERIFY_MAX_Q rows, one query block per request and
-    head group); longer blocks already have query blocks enough to fill the GPU."""
+    """Split-K only for short blocks (<= VERIFY_MAX_Q rows: one or two query blocks per
+    request and KV head); longer blocks have query blocks enough to fill the GPU."""
     if max_q_len > VERIFY_MAX_Q:
         return 1
     return choose_splits(batch * num_kv_heads, max_kv_len, MAX_EXTEND_SPLITS, device)
