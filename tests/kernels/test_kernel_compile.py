@@ -16,4 +16,4 @@ def test_kernels_compile_for_sm90(tmp_path):
     run = subprocess.run([sys.executable, str(HERE / "_compile_sm90.py")], env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count("compiled") == 5, run.stdout
+    assert run.stdout.count("compiled") == 4, run.stdout
