@@ -106,9 +106,10 @@ class Transients:
 def price_step(s: StepShape) -> Transients:
     """Per-rank transients of the largest step: the one formula the budget reserves."""
     v, d, it = s.vocab_size, s.hidden_size, s.itemsize
-    local_row = s.vocab_shard * (it + FP32)  # local logits, then fp32 for the argmax
-    # At T > 0 a row's shards meet (attn_tp pieces, padded) and become fp32 logits + probs.
-    full_row = s.attn_tp_size * s.vocab_shard * it + 2 * v * FP32
+    local_row = s.vocab_shard * (it + FP32)  # this rank's logits, then fp32 for the argmax
+    # At T > 0 a row's shards meet: the attn_tp padded pieces and their concatenation, then
+    # fp32 logits over the real vocabulary and the probabilities.
+    gather_row = 2 * s.attn_tp_size * s.vocab_shard * it + 2 * v * FP32
     q_rows = s.max_running * s.draft_slots
     all_groups = s.attn_dp_size * s.forward_rows  # the MLP multiplies every group's rows
     gather = d if s.attn_dp_size > 1 else 0
@@ -116,11 +117,12 @@ def price_step(s: StepShape) -> Transients:
     q_local = max(1, s.q_heads // s.attn_tp_size)
     return Transients(
         verify_logits=s.logit_rows * local_row,
-        sampler=s.logit_rows * full_row,
-        draft=q_rows * (local_row + full_row),
+        sampler=s.logit_rows * gather_row,
+        draft=q_rows * (local_row + gather_row),
         features=s.forward_rows * s.captured_layers * d * it,
         mlp=all_groups * mlp_width * it,
-        split_k=s.logit_rows * q_local * SPLITK_MAX_SPLITS * (s.v_head_dim + 1) * FP32,
+        # The split-K decode kernel runs only when every request has one row: R of them.
+        split_k=s.max_running * q_local * SPLITK_MAX_SPLITS * (s.v_head_dim + 1) * FP32,
     )
 
 
