@@ -19,12 +19,13 @@ from dspark_launch.engine.output import (
     refused_record,
     summarize,
 )
+from dspark_launch.engine.warmup import largest_batch_step
 from dspark_launch.errors import ConfigError
 from dspark_launch.log import logger
 from dspark_launch.memory.budget import configure_memory, measure_free_bytes
 from dspark_launch.memory.build import build_kv_memory
 from dspark_launch.memory.geometry import KVGeometry
-from dspark_launch.memory.transients import step_shape
+from dspark_launch.memory.transients import check_step_peak, step_shape
 from dspark_launch.models.loader import load_model
 from dspark_launch.parallel import get_parallel
 from dspark_launch.spec.factory import draft_kind_of, make_proposer
@@ -135,6 +136,9 @@ def run_job(cfg: RunConfig) -> int:
                              target, proposer_parts.draft)
     backend = make_backend(cfg.attention_backend, device)
     proposer = proposer_parts.build(memory, backend)
+    # CUDA only (no peak statistics on CPU): one step at the largest batch within its price.
+    check_step_peak(plan.transient_bytes, step,
+                    lambda: largest_batch_step(target, proposer, memory, backend, step), device)
     if state.rank == 0:
         logger.info(
             "target %s (%s), algorithm %s%s, KV: %d tokens/rank (cells target %d + draft %d "

@@ -19,6 +19,7 @@ The sampled terms are always priced: any request may ask for temperature > 0.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -136,6 +137,29 @@ def check_measured(priced: int, measured: int, shape: StepShape) -> None:
             f"transients (memory/transients.py); lower --max-running-requests or "
             f"--chunked-prefill-size"
         )
+
+
+def measure_step_peak(run: Callable[[], bool], device) -> int | None:
+    """Bytes `run` allocates beyond what was live before it, on CUDA; None on other devices
+    (the CPU allocator keeps no peak statistics) or when `run` reports it did not run."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    ran = run()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base if ran else None
+
+
+def check_step_peak(priced: int, shape: StepShape, run: Callable[[], bool], device
+                    ) -> int | None:
+    """Start-up check on CUDA: one warm-up step at `shape` must stay within its price."""
+    measured = measure_step_peak(run, device)
+    if measured is not None:
+        check_measured(priced, measured, shape)
+    return measured
 
 
 def step_shape(cfg, target_config, dtype: torch.dtype, max_drafts: int, block_rows: int,

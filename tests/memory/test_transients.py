@@ -202,3 +202,46 @@ def test_self_check_compares_pools_with_what_the_model_writes() -> None:
     msg = str(err.value)
     assert "target KV pool does not match what the target model writes" in msg
     assert "layer 0" in msg and "(1, 32, 32)" in msg and "(2, 32, 32)" in msg
+
+
+# ---------------------------------------------------------------- the start-up warm-up step
+
+
+def test_warmup_step_runs_the_largest_batch_and_returns_its_rows() -> None:
+    """The warm-up's batch on the embedded model (its peak is measured on CUDA only)."""
+    from dspark_launch.attention import make_backend
+    from dspark_launch.engine.warmup import largest_batch_step
+    from dspark_launch.memory.build import build_kv_memory
+    from dspark_launch.errors import LaunchError
+    from dspark_launch.memory.transients import (
+        check_measured,
+        measure_step_peak,
+        price_step,
+        step_shape,
+    )
+    from dspark_launch.models.loader import load_model
+    from dspark_launch.spec.factory import make_proposer
+
+    cfg = _cpu_cfg("--max-running-requests", "3", "--chunked-prefill-size", "20")
+    with override_parallel(1):
+        target = load_model(TINY / "target", "float32", "cpu")
+        parts = make_proposer(cfg, "DSPARK", str(TINY / "dspark"), target, "cpu", "float32")
+        shape = step_shape(cfg, target.config, torch.float32, parts.max_drafts,
+                           parts.block_rows, parts.draft)
+        assert (shape.verify_rows, shape.forward_rows, shape.logit_rows) == (9, 38, 27)
+        backend = make_backend("torch", "cpu")
+        for tokens, fits in ((64, True), (32, False)):  # rows [9, 9, 20]: 11 pages of 4
+            plan = plan_memory(10**8, KVGeometry("target", 8, 2, 32, 32, torch.float32),
+                               parts.geometry, 4, tokens)
+            memory = build_kv_memory(plan, KVGeometry("target", 8, 2, 32, 32, torch.float32),
+                                     parts.geometry, 3, 40, "cpu", target, parts.draft)
+            proposer = parts.build(memory, backend)
+            assert largest_batch_step(target, proposer, memory, backend, shape) is fits
+            assert memory.space.is_full()  # every row and slot handed back
+        # Off CUDA nothing is measured and the step is not run twice.
+        assert measure_step_peak(lambda: pytest.fail("ran off CUDA"), "cpu") is None
+    priced = price_step(shape).total
+    check_measured(priced, priced, shape)
+    with pytest.raises(LaunchError, match=f"allocated {priced + 1} bytes beyond the pools, "
+                                          f"but the budget priced {priced}"):
+        check_measured(priced, priced + 1, shape)
