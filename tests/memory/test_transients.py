@@ -211,8 +211,8 @@ def test_warmup_step_runs_the_largest_batch_and_returns_its_rows() -> None:
     """The warm-up's batch on the embedded model (its peak is measured on CUDA only)."""
     from dspark_launch.attention import make_backend
     from dspark_launch.engine.warmup import largest_batch_step
-    from dspark_launch.memory.build import build_kv_memory
     from dspark_launch.errors import LaunchError
+    from dspark_launch.memory.build import build_kv_memory
     from dspark_launch.memory.transients import (
         check_measured,
         measure_step_peak,
