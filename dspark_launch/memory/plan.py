@@ -33,6 +33,7 @@ from dspark_launch.memory.transients import (
 from dspark_launch.memory.weights import WeightBytes, weights_per_rank
 from dspark_launch.parallel import override_parallel
 
+BLOCK_DRAFTERS = ("DFLASH", "DSPARK")
 TINY = Path(__file__).resolve().parent.parent / "assets" / "tiny"
 
 
@@ -124,10 +125,16 @@ def read_models(cfg) -> Models:
         raw_draft = read_config(draft_dir, "draft")
         parsed = DraftConfig.from_dict(raw_draft, source=str(draft_dir / "config.json"))
         algorithm = algorithm or parsed.kind
+        if algorithm in BLOCK_DRAFTERS and algorithm != parsed.kind:
+            raise ConfigError(f"--speculative-algorithm {algorithm} but --draft={draft_dir} "
+                              f"is a {parsed.kind} checkpoint")
         if algorithm == parsed.kind:  # NONE / NGRAM build no draft, so price none
             validate_against_target(parsed, target)
             draft, draft_dtype = parsed, config_dtype(cfg.dtype, raw_draft, "draft")
             block = cfg.block_size or parsed.block_size
+    if algorithm in BLOCK_DRAFTERS and draft is None:
+        raise ConfigError(f"--speculative-algorithm {algorithm} needs --draft (a {algorithm} "
+                          f"checkpoint directory)")
     return Models(target_dir, draft_dir if draft else None, target, draft,
                   config_dtype(cfg.dtype, raw_target, "target"), draft_dtype,
                   algorithm or "NONE", block)

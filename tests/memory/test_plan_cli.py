@@ -219,3 +219,18 @@ def test_plan_defaults_to_the_embedded_tiny_model_or_says_so(capsys) -> None:
         assert "assets/tiny/target" in stdout
     else:
         assert code == 2 and "--model" in stderr
+
+
+def test_plan_prices_the_algorithm_the_run_would_use(capsys) -> None:
+    """NGRAM builds no draft pool, so none is priced; a draft of the wrong kind is refused."""
+    flags = [f for f in qwen_flags(8, 1, "--json") if f not in ("--draft", str(DRAFT))]
+    code, stdout, stderr = plan_in_process(capsys, *flags, "--speculative-algorithm", "NGRAM")
+    assert code == 0, stderr
+    report = json.loads(stdout)
+    assert report["draft"] is None and report["algorithm"] == "NGRAM"
+    assert report["step"]["verify_rows"] == 8 and report["step"]["draft_slots"] == 0
+    assert {r["draft_cell"] for r in report["ranks"]} == {0}
+    assert {r["weights"]["draft"] for r in report["ranks"]} == {0}
+    code, _, stderr = plan_in_process(capsys, *qwen_flags(8, 1, "--speculative-algorithm",
+                                                          "DSPARK"))
+    assert code == 2 and "is a DFLASH checkpoint" in stderr and str(DRAFT) in stderr
