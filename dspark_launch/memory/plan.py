@@ -284,9 +284,10 @@ def _transients_lines(report: dict) -> list[str]:
     for r in report["ranks"]:
         x = r["transients"]
         key = (
-            f"{x['total']} B ({x['total'] / GIB:.3f} GiB) = draft {x['draft']} + features "
-            f"{x['features']} + max(mlp {x['mlp']} + split_k {x['split_k']}, verify_logits "
-            f"{x['verify_logits']} + sampler {x['sampler']})"
+            f"{x['total']} B ({x['total'] / GIB:.3f} GiB) = max(propose: draft {x['draft']}, "
+            f"verify: draft_q {x['draft_q']} + features {x['features']} + max(attention "
+            f"{x['attention']} + mlp {x['mlp']} + split_k {x['split_k']}, verify_logits "
+            f"{x['verify_logits']} + sampler {x['sampler']}))"
         )
         seen.setdefault(key, []).append(r["tp_rank"])
     for key, ranks in seen.items():

@@ -11,9 +11,12 @@ rows, except that one of them may instead be a prefill chunk of `chunk_rows` row
     forward_rows = max(R * verify_rows, (R - 1) * verify_rows + chunk_rows)
     logit_rows   = R * verify_rows   (every verify row; a prefill contributes one row)
 
-Peak: the draft distributions and the captured features live from propose/forward until
-accept/materialize; the MLP activations are gone before the logits exist, so
-    peak = draft + features + max(forward: mlp + split-K, logits: verify + sampler).
+Peak: propose needs the draft's logits over the vocabulary, and hands only its distributions
+(q) on to accept; the captured features live from the target forward until materialize; the
+forward's activations are gone before the logits exist, so
+    peak = max(propose: draft,
+               verify: draft_q + features + max(attention + mlp + split-K,
+                                                verify_logits + sampler)).
 The sampled terms are always priced: any request may ask for temperature > 0.
 """
 
@@ -59,7 +62,9 @@ class StepShape:
     vocab_size: int
     hidden_size: int
     intermediate_size: int  # the target MLP's (sharded over tp)
-    q_heads: int  # total query heads (split-K workspace is per local head)
+    q_heads: int  # total query heads (sharded over attn_tp)
+    kv_heads: int  # total KV heads (sharded over attn_tp, replicated when fewer)
+    head_dim: int
     v_head_dim: int
     itemsize: int  # activation dtype bytes
     tp_size: int
@@ -87,18 +92,20 @@ class StepShape:
 class Transients:
     """Bytes per rank, term by term (see the module docstring for the peak rule)."""
 
-    verify_logits: int  # the local vocab shard of every logit row, dtype + fp32 copy
-    sampler: int  # full-vocab gather + fp32 logits + probabilities of every logit row
-    draft: int  # the draft's logits and q over the full vocabulary
+    verify_logits: int  # every logit row's local vocab shard, dtype + the argmax's fp32
+    sampler: int  # what sampling adds: the full-vocab gather, fp32 logits, probabilities
+    draft: int  # propose: the draft's logits over the full vocabulary, per draft slot
+    draft_q: int  # what propose hands to accept: one fp32 distribution per draft slot
     features: int  # captured target layer outputs [forward_rows, m * d]
+    attention: int  # one layer's q|k|v and their temporaries, and the residual stream
     mlp: int  # DP gather buffer + the MLP's intermediates over every group's rows
     split_k: int  # decode attention partial outputs and LSEs
 
     @property
     def total(self) -> int:
-        forward = self.mlp + self.split_k
+        forward = self.attention + self.mlp + self.split_k
         logits = self.verify_logits + self.sampler
-        return self.draft + self.features + max(forward, logits)
+        return max(self.draft, self.draft_q + self.features + max(forward, logits))
 
     def to_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -107,20 +114,29 @@ class Transients:
 def price_step(s: StepShape) -> Transients:
     """Per-rank transients of the largest step: the one formula the budget reserves."""
     v, d, it = s.vocab_size, s.hidden_size, s.itemsize
-    local_row = s.vocab_shard * (it + FP32)  # this rank's logits, then fp32 for the argmax
-    # At T > 0 a row's shards meet: the attn_tp padded pieces and their concatenation, then
-    # fp32 logits over the real vocabulary and the probabilities.
-    gather_row = 2 * s.attn_tp_size * s.vocab_shard * it + 2 * v * FP32
+    shard = s.vocab_shard * it  # this rank's logits of one row
+    greedy_row = shard + s.vocab_shard * FP32  # + the fp32 copy its argmax reads
+    # A sampled row's shards meet: the gathered pieces (the local one itself when attn_tp
+    # is 1), their concatenation, then fp32 logits over the real vocabulary and the probs.
+    pieces = s.attn_tp_size * shard if s.attn_tp_size > 1 else 0
+    sampled_row = shard + pieces + s.attn_tp_size * shard + 2 * v * FP32
+    row = max(greedy_row, sampled_row)  # a step's rows take one path or the other
     q_rows = s.max_running * s.draft_slots
     all_groups = s.attn_dp_size * s.forward_rows  # the MLP multiplies every group's rows
     gather = d if s.attn_dp_size > 1 else 0
     mlp_width = gather + 3 * (s.intermediate_size // s.tp_size) + d  # gate|up, act, out
     q_local = max(1, s.q_heads // s.attn_tp_size)
+    kv_local = max(1, s.kv_heads // s.attn_tp_size)
+    # qkv, the normed and the rotated q|k, the attention output (4 head-sized tensors);
+    # the residual stream x, h and their normed copies (4 hidden-sized ones).
+    attn_width = 4 * (q_local + 2 * kv_local) * s.head_dim + 4 * d
     return Transients(
-        verify_logits=s.logit_rows * local_row,
-        sampler=s.logit_rows * gather_row,
-        draft=q_rows * (local_row + gather_row),
+        verify_logits=s.logit_rows * greedy_row,
+        sampler=s.logit_rows * (row - greedy_row),
+        draft=q_rows * row,
+        draft_q=q_rows * v * FP32,
         features=s.forward_rows * s.captured_layers * d * it,
+        attention=s.forward_rows * attn_width * it,
         mlp=all_groups * mlp_width * it,
         # The split-K decode kernel runs only when every request has one row: R of them.
         split_k=s.max_running * q_local * SPLITK_MAX_SPLITS * (s.v_head_dim + 1) * FP32,
@@ -186,6 +202,8 @@ def step_shape(cfg, target_config, dtype: torch.dtype, max_drafts: int, block_ro
         hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size,
         q_heads=c.num_attention_heads,
+        kv_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
         v_head_dim=c.head_dim,
         itemsize=torch.empty((), dtype=dtype).element_size(),
         tp_size=state.tp_size,

@@ -68,13 +68,17 @@ def closed_form_transients(tp: int, attn_tp: int) -> int:
     forward_rows = max(R * B, (R - 1) * B + CHUNK)
     logit_rows, q_rows = R * B, R * (B - 1)
     shard = -(-V // attn_tp)
-    local = shard * (BF16 + FP32)
-    gathered = 2 * attn_tp * shard * BF16 + 2 * V * FP32
+    greedy = shard * (BF16 + FP32)  # local shard + fp32 for the argmax
+    # sampled: local shard, gathered pieces (none extra at attn_tp 1), concatenation, fp32, probs
+    sampled = shard * BF16 * (1 + (attn_tp if attn_tp > 1 else 0) + attn_tp) + 2 * V * FP32
+    row = max(greedy, sampled)
     mlp = attn_dp * forward_rows * ((D if attn_dp > 1 else 0) + 3 * I_ // tp + D) * BF16
     split_k = R * (HQ // attn_tp) * 8 * (HD + 1) * FP32
     features = forward_rows * M * D * BF16
-    logits = logit_rows * (local + gathered)
-    return q_rows * (local + gathered) + features + max(mlp + split_k, logits)
+    q_l, kv_l = HQ // attn_tp, max(1, HKV // attn_tp)
+    attention = forward_rows * (4 * (q_l + 2 * kv_l) * HD + 4 * D) * BF16
+    verify = q_rows * V * FP32 + features + max(attention + mlp + split_k, logit_rows * row)
+    return max(q_rows * row, verify)  # propose (draft logits) or verify (q kept)
 
 
 def expected(attn_tp: int, page: int = 1, tp: int | None = None) -> tuple[int, int, int]:
@@ -135,11 +139,11 @@ def test_plan_tp16_attn_dp16_table_prices_all_draft_heads() -> None:
     out = plan(*qwen_flags(16, 16))
     assert out.returncode == 0, out.stderr
     target, draft, tokens = expected(1, tp=16)
-    assert (target, draft, tokens) == (147456, 20480, 18468)
+    assert (target, draft, tokens) == (147456, 20480, 36186)
     rows = [line.split() for line in out.stdout.splitlines() if line[:4].strip().isdigit()]
     assert len(rows) == 16
     for rank, row in enumerate(rows):
-        assert row[:8] == [str(rank), str(rank), "0", "8", "8", "147456", "20480", "18468"]
+        assert row[:8] == [str(rank), str(rank), "0", "8", "8", "147456", "20480", "36186"]
     assert "attn_tp=1 attn_dp=16" in out.stdout
     # The weights line: the models' own parameters at tp16/attn-dp16, equal on every rank,
     # and equal to the hand count (the embedding, LM head and attention whole, MLP / 16).
@@ -156,8 +160,8 @@ def test_plan_tp8_json_subprocess() -> None:
     out = plan(*qwen_flags(8, 1, "--json"))
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
-    assert expected(8, tp=8) == (18432, 2560, 223146)
-    assert report["max_total_tokens"] == 223146
+    assert expected(8, tp=8) == (18432, 2560, 287649)
+    assert report["max_total_tokens"] == 287649
     assert {(r["target_cell"], r["draft_cell"]) for r in report["ranks"]} == {(18432, 2560)}
     assert {tuple(r["weights"].values())[:2] for r in report["ranks"]} == {
         closed_form_weights(8, 8)} == {_meta_weights(8, 1, 3)}
@@ -166,7 +170,7 @@ def test_plan_tp8_json_subprocess() -> None:
 def test_plan_tp8_table(capsys) -> None:
     code, stdout, stderr = plan_in_process(capsys, *qwen_flags(8, 1))
     assert code == 0, stderr
-    assert "max_total_tokens (MIN over ranks) = 223146" in stdout
+    assert "max_total_tokens (MIN over ranks) = 287649" in stdout
     assert "attn_tp=8 attn_dp=1" in stdout
     assert "transients/rank (every rank): " in stdout and "weights/rank: " in stdout
 

@@ -245,3 +245,63 @@ def test_warmup_step_runs_the_largest_batch_and_returns_its_rows() -> None:
     with pytest.raises(LaunchError, match=f"allocated {priced + 1} bytes beyond the pools, "
                                           f"but the budget priced {priced}"):
         check_measured(priced, priced + 1, shape)
+
+
+# ---------------------------------------------------------------- price vs a real run's peak
+
+
+def _torch_peak(run) -> int:
+    """Peak bytes torch's CPU allocator held beyond the start while `run()` ran, from the
+    profiler's allocation records (each op's own allocations at its start, frees as their
+    own records), in time order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    timeline = sorted(
+        (e.time_range.start,
+         e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
+        for e in prof.events())
+    held = peak = 0
+    for _, delta in timeline:
+        held += delta
+        peak = max(peak, held)
+    assert held == 0, "the run kept torch memory: the timeline is incomplete"
+    return peak
+
+
+@pytest.mark.parametrize("algorithm", ["NONE", "DFLASH", "DSPARK"])
+def test_priced_transients_cover_a_real_runs_peak(algorithm: str) -> None:
+    """The engine decoding sampled requests at full batch on the embedded model: everything
+    torch allocated beyond the pools (which are allocated before) stays within the price."""
+    from dspark_launch.attention import make_backend
+    from dspark_launch.engine.engine import Engine, EngineLimits
+    from dspark_launch.engine.inputs import build_specs
+    from dspark_launch.memory.build import build_kv_memory
+    from dspark_launch.memory.transients import price_step, step_shape
+    from dspark_launch.models.loader import load_model
+    from dspark_launch.spec.factory import make_proposer
+
+    r, chunk = 4, 32
+    cfg = _cpu_cfg("--max-running-requests", str(r), "--chunked-prefill-size", str(chunk))
+    with override_parallel(1):
+        target = load_model(TINY / "target", "float32", "cpu")
+        draft = str(TINY / algorithm.lower()) if algorithm != "NONE" else None
+        parts = make_proposer(cfg, algorithm, draft, target, "cpu", "float32")
+        shape = step_shape(cfg, target.config, torch.float32, parts.max_drafts,
+                           parts.block_rows, parts.draft)
+        geometry = KVGeometry("target", 8, 2, 32, 32, torch.float32)
+        plan = plan_memory(10**8, geometry, parts.geometry, 4, 4096)
+        memory = build_kv_memory(plan, geometry, parts.geometry, r, 200, "cpu", target,
+                                 parts.draft)
+        backend = make_backend("torch", "cpu")
+        # Twice R prompts longer than a chunk: full decode batches next to a prefill chunk.
+        specs = build_specs([{"input_ids": list(range(1, 40 + i))} for i in range(2 * r)],
+                            None, 6, 1.0, 150, 2048)
+        engine = Engine(target, parts.build(memory, backend), memory, backend,
+                        EngineLimits(max_running=r, chunk_size=chunk, context_limit=150,
+                                     eos_ids=(), seed=0))
+        peak = _torch_peak(lambda: engine.run(specs))
+    priced = price_step(shape).total
+    print(f"{algorithm}: measured {peak} B, priced {priced} B")
+    assert 0 < peak <= priced, (peak, priced, price_step(shape))
