@@ -19,11 +19,13 @@ from dspark_launch.engine.output import (
     refused_record,
     summarize,
 )
+from dspark_launch.engine.warmup import largest_batch_step
 from dspark_launch.errors import ConfigError
 from dspark_launch.log import logger
 from dspark_launch.memory.budget import configure_memory, measure_free_bytes
 from dspark_launch.memory.build import build_kv_memory
 from dspark_launch.memory.geometry import KVGeometry
+from dspark_launch.memory.transients import check_step_peak, step_shape
 from dspark_launch.models.loader import load_model
 from dspark_launch.parallel import get_parallel
 from dspark_launch.spec.factory import draft_kind_of, make_proposer
@@ -118,26 +120,34 @@ def run_job(cfg: RunConfig) -> int:
     dtype = "float32" if cfg.dtype == "auto" and device.type == "cpu" else cfg.dtype
     # Checkpoints are read per rank (each its own shards): agree before the next collective.
     ckpt, target, proposer_parts = agreed(lambda: _load(cfg, dtype, device))
-    plan = configure_memory(cfg, target_geometry(target), proposer_parts.geometry, device,
-                            free_before)
     round_rows = max(1 + proposer_parts.max_drafts, proposer_parts.block_rows)
     model_limit = cfg.context_length or target.config.max_position_embeddings
+    step = step_shape(cfg, target.config, target.dtype, proposer_parts.max_drafts,
+                      proposer_parts.block_rows, proposer_parts.draft)
+    plan = configure_memory(cfg, target_geometry(target), proposer_parts.geometry, device,
+                            free_before, step, model_limit + round_rows)
     context_limit = min(model_limit, plan.max_total_tokens - round_rows + 1)
     if context_limit < 2:
         raise ConfigError(
             f"the KV pool holds {plan.max_total_tokens} tokens per rank, too few for one "
             f"round of {round_rows} rows; raise --kv-cache-memory or --max-total-tokens")
     memory = build_kv_memory(plan, target_geometry(target), proposer_parts.geometry,
-                             cfg.max_running_requests, context_limit + round_rows, device)
+                             cfg.max_running_requests, context_limit + round_rows, device,
+                             target, proposer_parts.draft)
     backend = make_backend(cfg.attention_backend, device)
     proposer = proposer_parts.build(memory, backend)
+    # CUDA only (no peak statistics on CPU): one step at the largest batch within its price.
+    check_step_peak(plan.transient_bytes, step,
+                    lambda: largest_batch_step(target, proposer, memory, backend, step), device)
     if state.rank == 0:
         logger.info(
             "target %s (%s), algorithm %s%s, KV: %d tokens/rank (cells target %d + draft %d "
-            "bytes), context limit %d, attention %s",
+            "bytes), budget %d bytes/rank (%s) incl. %d bytes of step transients, context "
+            "limit %d, attention %s",
             ckpt.model, str(target.dtype).replace("torch.", ""), ckpt.algorithm,
             f" draft {ckpt.draft}" if ckpt.draft else "", plan.max_total_tokens,
-            plan.target_cell, plan.draft_cell, context_limit, backend.name)
+            plan.target_cell, plan.draft_cell, plan.budget_bytes, plan.budget_rule,
+            plan.transient_bytes, context_limit, backend.name)
 
     tokenizer = load_tokenizer(ckpt.model)
     specs, skip = read_requests(cfg, tokenizer, context_limit, target.config.vocab_size)
