@@ -81,6 +81,7 @@ class Engine:
         while True:
             progress.step = self.steps
             plan = sched.schedule()
+            pending.extend(sched.take_ended())  # ended by the scheduler (round past the context)
             if plan.empty and sched.has_work and (stuck := self._unstick(sched)) is not None:
                 pending.append(stuck)
             # One small all-gather per step: who has tokens, who has work, who finished

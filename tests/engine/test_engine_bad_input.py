@@ -57,6 +57,25 @@ def test_malformed_jsonl_line_is_named(tiny, tmp_path, capsys):
     assert_one_line_error(err, "line 2", "'prompt'", "'input_ids'")
 
 
+def test_jsonl_name_means_jsonl(tiny, tmp_path, capsys):
+    """A *.jsonl file whose first line is not JSON is refused by line number, never read as
+    plain text; the same lines in a file of another name are plain-text prompts."""
+    from dspark_launch.engine.inputs import read_prompt_file
+
+    lines = "def f(x):\n{\"prompt\": \"a\"}\n"
+    p = tmp_path / "p.jsonl"
+    p.write_text(lines)
+    rc, err = run_main([*model_args(tiny, "NONE"), "--prompts", str(p), *AMPLE], capsys)
+    assert rc == 2
+    assert_one_line_error(err, f"--prompts={p} line 1", "not valid JSON")
+    txt = tmp_path / "p.txt"
+    txt.write_text(lines)
+    assert [r["prompt"] for r in read_prompt_file(str(txt))] == ["def f(x):", '{"prompt": "a"}']
+    p.write_text('\n{"prompt": "a"}\nnot json\n')  # blank lines keep their numbers
+    with pytest.raises(Exception, match="line 3: not valid JSON"):
+        read_prompt_file(str(p))
+
+
 @pytest.mark.parametrize("where", ["flag", "line"])
 def test_max_new_tokens_not_positive(tiny, tmp_path, capsys, where):
     p = write_prompts(tmp_path / "p.jsonl", [{"input_ids": [3, 4]},
