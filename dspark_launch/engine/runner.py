@@ -106,7 +106,30 @@ def read_requests(cfg: RunConfig, tokenizer, context_limit: int, vocab_size: int
 def _load(cfg: RunConfig, dtype: str, device):
     ckpt = resolve_checkpoints(cfg)
     target = load_model(ckpt.model, dtype, device)
-    return ckpt, target, make_proposer(cfg, ckpt.algorithm, ckpt.draft, target, device, dtype)
+    parts = make_proposer(cfg, ckpt.algorithm, ckpt.draft, target, device, dtype)
+    check_block_size(cfg, parts, target.config.max_position_embeddings)
+    return ckpt, target, parts
+
+
+def check_block_size(cfg: RunConfig, parts, max_position_embeddings: int) -> None:
+    """A draft block longer than the context can never be verified (a block of 100k mask
+    tokens per step would run for minutes before failing): refuse it. One longer than the
+    draft was trained for runs, but its later slots were never trained: warn."""
+    if parts.algorithm == "NONE":
+        return
+    if cfg.context_length is not None:
+        limit, source = cfg.context_length, "--context-length"
+    else:
+        limit, source = max_position_embeddings, "the model's max_position_embeddings"
+    if parts.block_size > limit:
+        raise ConfigError(
+            f"--block-size={parts.block_size} is larger than the context limit of {limit} "
+            f"tokens ({source}); use a block size of at most {limit}")
+    trained = parts.draft.config.block_size if parts.draft is not None else None
+    if trained and parts.block_size > trained and get_parallel().rank == 0:
+        logger.warning("--block-size=%d is larger than the draft's trained block size %d: "
+                       "slots past %d were never trained and will rarely be accepted",
+                       parts.block_size, trained, trained)
 
 
 def run_job(cfg: RunConfig) -> int:

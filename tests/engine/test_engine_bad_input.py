@@ -76,6 +76,31 @@ def test_jsonl_name_means_jsonl(tiny, tmp_path, capsys):
         read_prompt_file(str(p))
 
 
+def test_block_larger_than_the_context_is_refused(tiny, tmp_path, capsys):
+    """Refused at load, naming the block and the context limit (the tiny target has 512
+    positions), instead of drafting 100k mask tokens per step."""
+    p = write_prompts(tmp_path / "p.jsonl", [{"input_ids": [3, 4]}])
+    argv = [*model_args(tiny, "DFLASH", 100000, tiny.dflash(4)), "--prompts", str(p), *AMPLE]
+    rc, err = run_main(argv, capsys)
+    assert rc == 2
+    assert_one_line_error(err, "--block-size=100000", "context limit of 512 tokens",
+                          "max_position_embeddings")
+    rc, err = run_main([*argv[:-len(AMPLE)], "--block-size", "65", "--context-length", "64",
+                        *AMPLE], capsys)
+    assert rc == 2
+    assert_one_line_error(err, "--block-size=65", "context limit of 64 tokens (--context-length)")
+
+
+def test_block_larger_than_trained_warns_once_and_runs(tiny, tmp_path, capsys):
+    p = write_prompts(tmp_path / "p.jsonl", [{"input_ids": [3, 4]}, {"input_ids": [5, 6]}])
+    rc, err = run_main([*model_args(tiny, "DFLASH", 8, tiny.dflash(4)), "--prompts", str(p),
+                        "--max-new-tokens", "4", *AMPLE], capsys)
+    assert rc == 0, err
+    warnings = [x for x in err.splitlines() if "trained block size" in x]
+    assert warnings == ["WARNING --block-size=8 is larger than the draft's trained block size "
+                        "4: slots past 4 were never trained and will rarely be accepted"]
+
+
 @pytest.mark.parametrize("where", ["flag", "line"])
 def test_max_new_tokens_not_positive(tiny, tmp_path, capsys, where):
     p = write_prompts(tmp_path / "p.jsonl", [{"input_ids": [3, 4]},
