@@ -20,6 +20,7 @@ from dspark_launch.engine.output import (
     summarize,
 )
 from dspark_launch.errors import ConfigError
+from dspark_launch.failure import inject_fault
 from dspark_launch.log import logger
 from dspark_launch.memory.budget import configure_memory, measure_free_bytes
 from dspark_launch.memory.build import build_kv_memory
@@ -104,6 +105,7 @@ def read_requests(cfg: RunConfig, tokenizer, context_limit: int, vocab_size: int
 
 
 def _load(cfg: RunConfig, dtype: str, device):
+    inject_fault(get_parallel().rank, "load")
     ckpt = resolve_checkpoints(cfg)
     target = load_model(ckpt.model, dtype, device)
     parts = make_proposer(cfg, ckpt.algorithm, ckpt.draft, target, device, dtype)
@@ -141,6 +143,7 @@ def run_job(cfg: RunConfig) -> int:
     dtype = "float32" if cfg.dtype == "auto" and device.type == "cpu" else cfg.dtype
     # Checkpoints are read per rank (each its own shards): agree before the next collective.
     ckpt, target, proposer_parts = agreed(lambda: _load(cfg, dtype, device))
+    inject_fault(state.rank, "budget")  # test hook: a budget error on one rank only
     plan = configure_memory(cfg, target_geometry(target), proposer_parts.geometry, device,
                             free_before)
     round_rows = max(1 + proposer_parts.max_drafts, proposer_parts.block_rows)
