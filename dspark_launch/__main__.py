@@ -30,6 +30,7 @@ from dspark_launch.failure import (
     roll_call,
     signal_verdict,
     store_of_world,
+    verdict_wait_s,
 )
 from dspark_launch.log import logger, setup_logging
 from dspark_launch.parallel import (
@@ -118,13 +119,8 @@ def stop(state: ParallelState, err: BaseException) -> int:
               f"{type(err).__name__}: {err}\n{traceback.format_exc()}", file=sys.stderr,
               flush=True)
         return 1
-    store = store_of_world()
-    if state.world_size > 1 and verdict != BROKEN:
-        # This rank stops on its own: closing its sockets now lets every peer blocked in a
-        # collective with it notice at once, instead of after --dist-timeout.
-        destroy_parallel_runtime()
-    answers = (roll_call(store, state.rank, state.world_size, verdict)
-               if state.world_size > 1 else {state.rank: verdict})
+    answers = roll_call(store_of_world(), state.rank, state.world_size, verdict,
+                        verdict_wait_s(verdict))
     noticed = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     end = conclude(state.rank, state.world_size, answers, noticed)
     if end.speak:

@@ -96,37 +96,41 @@ def received_signal() -> int:
     return _received[0] if _received else 0
 
 
-ROLL_CALL_WAIT_S = 5.0
+ROLL_CALL_WAIT_S = 5.0  # a rank whose collective broke: how long it waits for the others
+REPORT_WAIT_S = 2.0  # a rank with a configuration error: how long it waits to learn whether
+# the others hit the same one (they raise it at the same point, within milliseconds)
 BROKEN = "broken"  # the verdict of a rank whose collective failed under it
 
 
 def store_of_world():
-    """The rendezvous store (None when there is none left to ask). Take it before destroying
-    the process group: the store outlives the group, the lookup does not."""
+    """The rendezvous store, which outlives every worker (None when there is none to ask)."""
     try:
         return dist.distributed_c10d._get_default_store()
     except Exception:  # noqa: BLE001 - no store left to ask
         return None
 
 
-def roll_call(store, rank: int, world_size: int, verdict: str,
-              wait_s: float = ROLL_CALL_WAIT_S) -> dict[int, str]:
-    """Post this rank's verdict; every rank's verdict that arrives within wait_s (a rank
-    missing from the answer is dead or stuck). One roll call per process and attempt."""
-    if store is None:
+def roll_call(store, rank: int, world_size: int, verdict: str, wait_s: float) -> dict[int, str]:
+    """Post this rank's verdict; the verdicts posted until every rank has answered, or wait_s
+    passed, or (for a rank whose collective broke) some rank posted a reason: its peers may be
+    blocked behind this rank and notice only when it exits. A rank missing from the answer is
+    dead, stuck, or has not noticed yet. One roll call per process and attempt (the store has
+    a prefix per attempt)."""
+    if store is None or world_size == 1:
         return {rank: verdict}
     key = "dspark/verdict"
     try:
         store.set(f"{key}/{rank}", verdict)
         deadline = time.monotonic() + wait_s
-        missing = list(range(world_size))
+        answers: dict[int, str] = {}
         while True:
-            missing = [r for r in missing if not store.check([f"{key}/{r}"])]
-            if not missing or time.monotonic() >= deadline:
-                break
+            for r in range(world_size):
+                if r not in answers and store.check([f"{key}/{r}"]):
+                    answers[r] = store.get(f"{key}/{r}").decode()
+            reason = verdict == BROKEN and any(v != BROKEN for v in answers.values())
+            if len(answers) == world_size or reason or time.monotonic() >= deadline:
+                return answers
             time.sleep(0.05)
-        return {r: store.get(f"{key}/{r}").decode() for r in range(world_size)
-                if r not in missing}
     except Exception:  # noqa: BLE001 - the store itself is gone: nothing to name
         return {rank: verdict}
 
@@ -139,39 +143,47 @@ def config_verdict(message: str) -> str:
     return f"config {message}"
 
 
+def verdict_wait_s(verdict: str) -> float:
+    """A signalled rank leaves at once (its peers learn of it from the store); a rank with a
+    configuration error waits briefly to learn whether it is the one to say it; a rank whose
+    collective broke waits for the others' reasons."""
+    if verdict.startswith("signal "):
+        return 0.0
+    return REPORT_WAIT_S if verdict.startswith("config ") else ROLL_CALL_WAIT_S
+
+
 @dataclass(frozen=True)
 class Conclusion:
     exit_code: int
-    speak: bool  # the lowest rank that answered says it, once
+    speak: bool
     line: str
 
 
 def conclude(rank: int, world_size: int, answers: dict[int, str], noticed: str = "") -> Conclusion:
-    """What every rank decides from the same roll call: a signal outranks a configuration
-    error, which outranks a dead or stuck peer. The same answers give the same conclusion on
-    every rank; only the lowest answering rank prints it."""
-    speak = rank == min(answers)
+    """Every rank's ending from the roll call: a signal outranks a configuration error, which
+    outranks a dead or stuck peer. One rank speaks: rank 0 for a signal (torchrun signals every
+    rank); for a configuration error the rank that saw it (the lowest of those that saw the same
+    message), in its own words, since its peers only know their collective broke; else the
+    lowest rank that answered, naming the ranks that did not."""
+    mine = answers[rank]
     signals = {r: int(v.split()[1]) for r, v in answers.items() if v.startswith("signal ")}
-    configs = {r: v[len("config "):] for r, v in answers.items() if v.startswith("config ")}
     if signals:
         signum = signals[min(signals)]
-        who = "" if len(signals) == world_size else f" on rank(s) {sorted(signals)}"
         after = ("completed requests are in the output" if progress.phase == "decode" else
                  f"stopped during {progress.where()}, before any request ran")
-        return Conclusion(EXIT_CODES.get(signum, 1), speak,
-                          f"interrupted by {signal.Signals(signum).name}{who}; {after}")
+        return Conclusion(EXIT_CODES.get(signum, 1), rank == 0,
+                          f"interrupted by {signal.Signals(signum).name}; {after}")
+    configs = {r: v for r, v in answers.items() if v.startswith("config ")}
     if configs:
-        by_message: dict[str, list[int]] = {}
-        for r, message in sorted(configs.items()):
-            by_message.setdefault(message, []).append(r)
-        if len(by_message) == 1 and len(configs) == world_size:
-            return Conclusion(2, speak, next(iter(by_message)))  # the same everywhere: once
-        return Conclusion(2, speak, "; ".join(f"on rank(s) {ranks}: {message}"
-                                              for message, ranks in by_message.items()))
+        same = sorted(r for r, v in configs.items() if v == mine)
+        message = mine[len("config "):]
+        if len(same) < world_size:
+            message = f"on rank(s) {same}: {message}"
+        return Conclusion(2, bool(same) and rank == same[0], message)
     missing = [r for r in range(world_size) if r not in answers]
     who = f"rank(s) {missing}" if missing else "a peer rank"
-    return Conclusion(1, speak, f"{who} of {world_size} stopped answering during "
-                                f"{progress.where()} (noticed by rank {rank}: {noticed})")
+    return Conclusion(1, rank == min(answers), f"{who} of {world_size} stopped answering "
+                      f"during {progress.where()} (noticed by rank {rank}: {noticed})")
 
 
 # Test hook: "RANK:WHERE:KIND", first attempt only. WHERE is a decode step or a named point
