@@ -20,6 +20,7 @@ from dspark_launch.errors import ConfigError, LaunchError
 from dspark_launch.failure import (
     BROKEN,
     EXIT_CODES,
+    FAILED,
     Interrupted,
     conclude,
     config_verdict,
@@ -118,6 +119,7 @@ def stop(state: ParallelState, err: BaseException) -> int:
         print(f"dspark_launch: error: rank {state.rank} failed during {progress.where()}: "
               f"{type(err).__name__}: {err}\n{traceback.format_exc()}", file=sys.stderr,
               flush=True)
+        roll_call(store_of_world(), state.rank, state.world_size, FAILED, 0.0)
         return 1
     answers = roll_call(store_of_world(), state.rank, state.world_size, verdict,
                         verdict_wait_s(verdict))

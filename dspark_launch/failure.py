@@ -100,6 +100,7 @@ ROLL_CALL_WAIT_S = 5.0  # a rank whose collective broke: how long it waits for t
 REPORT_WAIT_S = 2.0  # a rank with a configuration error: how long it waits to learn whether
 # the others hit the same one (they raise it at the same point, within milliseconds)
 BROKEN = "broken"  # the verdict of a rank whose collective failed under it
+FAILED = "failed"  # the verdict of a rank that failed on its own and printed its traceback
 
 
 def store_of_world():
@@ -161,7 +162,8 @@ class Conclusion:
 
 def conclude(rank: int, world_size: int, answers: dict[int, str], noticed: str = "") -> Conclusion:
     """Every rank's ending from the roll call: a signal outranks a configuration error, which
-    outranks a dead or stuck peer. One rank speaks: rank 0 for a signal (torchrun signals every
+    outranks a rank's own failure (it printed its traceback), which outranks a dead or stuck
+    peer. One rank speaks: rank 0 for a signal (torchrun signals every
     rank); for a configuration error the rank that saw it (the lowest of those that saw the same
     message), in its own words, since its peers only know their collective broke; else the
     lowest rank that answered, naming the ranks that did not."""
@@ -180,6 +182,9 @@ def conclude(rank: int, world_size: int, answers: dict[int, str], noticed: str =
         if len(same) < world_size:
             message = f"on rank(s) {same}: {message}"
         return Conclusion(2, bool(same) and rank == same[0], message)
+    failed = sorted(r for r, v in answers.items() if v == FAILED)
+    if failed:  # it printed its own traceback; the others only follow it out
+        return Conclusion(1, False, f"rank(s) {failed} failed during {progress.where()}")
     missing = [r for r in range(world_size) if r not in answers]
     who = f"rank(s) {missing}" if missing else "a peer rank"
     return Conclusion(1, rank == min(answers), f"{who} of {world_size} stopped answering "

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dspark_launch import failure
 from dspark_launch.args import RunConfig
 from dspark_launch.attention import make_backend
 from dspark_launch.comm import agreed, broadcast_object
@@ -20,7 +21,6 @@ from dspark_launch.engine.output import (
     summarize,
 )
 from dspark_launch.errors import ConfigError
-from dspark_launch.failure import inject_fault
 from dspark_launch.log import logger
 from dspark_launch.memory.budget import configure_memory, measure_free_bytes
 from dspark_launch.memory.build import build_kv_memory
@@ -105,7 +105,7 @@ def read_requests(cfg: RunConfig, tokenizer, context_limit: int, vocab_size: int
 
 
 def _load(cfg: RunConfig, dtype: str, device):
-    inject_fault(get_parallel().rank, "load")
+    failure.inject_fault(get_parallel().rank, "load")
     ckpt = resolve_checkpoints(cfg)
     target = load_model(ckpt.model, dtype, device)
     parts = make_proposer(cfg, ckpt.algorithm, ckpt.draft, target, device, dtype)
@@ -142,8 +142,10 @@ def run_job(cfg: RunConfig) -> int:
     # a batched verify and one-token decoding. On CUDA "auto" keeps the checkpoint's dtype.
     dtype = "float32" if cfg.dtype == "auto" and device.type == "cpu" else cfg.dtype
     # Checkpoints are read per rank (each its own shards): agree before the next collective.
+    failure.progress.phase = "loading"  # a signal stops every rank here at once (nothing to write)
     ckpt, target, proposer_parts = agreed(lambda: _load(cfg, dtype, device))
-    inject_fault(state.rank, "budget")  # test hook: a budget error on one rank only
+    failure.progress.phase = "allocating pools"
+    failure.inject_fault(state.rank, "budget")  # test hook: a budget error on one rank only
     plan = configure_memory(cfg, target_geometry(target), proposer_parts.geometry, device,
                             free_before)
     round_rows = max(1 + proposer_parts.max_drafts, proposer_parts.block_rows)
@@ -155,6 +157,7 @@ def run_job(cfg: RunConfig) -> int:
             f"round of {round_rows} rows; raise --kv-cache-memory or --max-total-tokens")
     memory = build_kv_memory(plan, target_geometry(target), proposer_parts.geometry,
                              cfg.max_running_requests, context_limit + round_rows, device)
+    failure.progress.phase = "startup"
     backend = make_backend(cfg.attention_backend, device)
     proposer = proposer_parts.build(memory, backend)
     if state.rank == 0:

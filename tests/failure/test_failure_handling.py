@@ -188,7 +188,7 @@ def test_sigterm_while_loading_exits_143_within_seconds(job: dict) -> None:
     err = log.read_text()
     assert proc.returncode == 143, err[-2000:]
     assert wall < 15, f"took {wall:.1f}s"
-    assert "interrupted by SIGTERM; stopped during startup, before any request ran" in err
+    assert "interrupted by SIGTERM; stopped during loading, before any request ran" in err
     assert "Traceback" not in err
     assert not [p for p in pids if _alive(p)]
 

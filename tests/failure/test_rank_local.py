@@ -74,7 +74,7 @@ def test_sigterm_while_loading_exits_143_on_every_rank(model: str, prompts: str)
                         env={"DSPARK_FAULT": "0:load:hang"})
     assert [rc for rc, _, _ in results] == [143, 143]
     said = [line for _, lines, _ in results for line in lines]
-    assert said == ["dspark_launch: error: interrupted by SIGTERM; stopped during startup, "
+    assert said == ["dspark_launch: error: interrupted by SIGTERM; stopped during loading, "
                     "before any request ran"]
     assert all(wall < 2.0 + 10 for _, _, wall in results)
 
