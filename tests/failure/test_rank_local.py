@@ -67,14 +67,16 @@ def test_budget_error_on_rank_2_of_4_is_said_with_its_message(model: str, prompt
     assert "is too small" in said[0] and "--kv-cache-memory" in said[0]
 
 
-def test_sigterm_while_loading_exits_143_on_every_rank(model: str, prompts: str) -> None:
-    """Rank 0 is still loading (DSPARK_FAULT hangs it there), rank 1 waits for it in a
-    collective; both get SIGTERM, as torchrun sends it, and both leave with 143 at once."""
+@pytest.mark.parametrize("point,phase", [("load", "loading"), ("budget", "allocating pools")])
+def test_sigterm_during_startup_exits_143_on_every_rank(model: str, prompts: str, point: str,
+                                                       phase: str) -> None:
+    """Rank 0 is still loading or sizing its pools (DSPARK_FAULT hangs it there), rank 1 waits
+    for it in a collective; both get SIGTERM, as torchrun sends it, and leave with 143 at once."""
     results = run_world(2, _rank_main, _flags(model, prompts), {}, 2.0, timeout=60,
-                        env={"DSPARK_FAULT": "0:load:hang"})
+                        env={"DSPARK_FAULT": f"0:{point}:hang"})
     assert [rc for rc, _, _ in results] == [143, 143]
     said = [line for _, lines, _ in results for line in lines]
-    assert said == ["dspark_launch: error: interrupted by SIGTERM; stopped during loading, "
+    assert said == [f"dspark_launch: error: interrupted by SIGTERM; stopped during {phase}, "
                     "before any request ran"]
     assert all(wall < 2.0 + 10 for _, _, wall in results)
 
