@@ -18,6 +18,7 @@ from checkpoints import write_checkpoint
 from multirank import run_world
 
 from dspark_launch.__main__ import main
+from dspark_launch.failure import progress
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def prompts(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _rank_main(rank: int, argv: list[str], budgets: dict[int, str], term_after: float | None
-               ) -> tuple[int, list[str], float]:
+               ) -> tuple[int, list[str], float, int]:
     """main() on this rank with its own --kv-cache-memory; optionally SIGTERM to itself."""
     if term_after is not None:
         threading.Timer(term_after, os.kill, (os.getpid(), signal.SIGTERM)).start()
@@ -46,7 +47,7 @@ def _rank_main(rank: int, argv: list[str], budgets: dict[int, str], term_after: 
     with contextlib.redirect_stderr(err):
         rc = main([*argv, "--kv-cache-memory", budgets.get(rank, "4MiB")])
     said = [x for x in err.getvalue().splitlines() if x.startswith("dspark_launch: error:")]
-    return rc, said, time.monotonic() - start
+    return rc, said, time.monotonic() - start, progress.step
 
 
 def _flags(model: str, prompts: str) -> list[str]:
@@ -60,8 +61,8 @@ def test_budget_error_on_rank_2_of_4_is_said_with_its_message(model: str, prompt
     start = time.monotonic()
     results = run_world(4, _rank_main, _flags(model, prompts), {2: "100"}, None, timeout=90)
     assert time.monotonic() - start < 60  # far below --dist-timeout
-    assert [rc for rc, _, _ in results] == [2, 2, 2, 2]
-    said = [line for _, lines, _ in results for line in lines]
+    assert [rc for rc, *_ in results] == [2, 2, 2, 2]
+    said = [line for _, lines, *_ in results for line in lines]
     assert len(said) == 1 and results[2][1] == said  # rank 2 says it, once
     assert said[0].startswith("dspark_launch: error: on rank(s) [2]: KV budget 100 bytes ")
     assert "is too small" in said[0] and "--kv-cache-memory" in said[0]
@@ -74,11 +75,11 @@ def test_sigterm_during_startup_exits_143_on_every_rank(model: str, prompts: str
     for it in a collective; both get SIGTERM, as torchrun sends it, and leave with 143 at once."""
     results = run_world(2, _rank_main, _flags(model, prompts), {}, 2.0, timeout=60,
                         env={"DSPARK_FAULT": f"0:{point}:hang"})
-    assert [rc for rc, _, _ in results] == [143, 143]
-    said = [line for _, lines, _ in results for line in lines]
+    assert [rc for rc, *_ in results] == [143, 143]
+    said = [line for _, lines, *_ in results for line in lines]
     assert said == [f"dspark_launch: error: interrupted by SIGTERM; stopped during {phase}, "
                     "before any request ran"]
-    assert all(wall < 2.0 + 10 for _, _, wall in results)
+    assert all(wall < 2.0 + 10 for _, _, wall, _ in results)
 
 
 def test_divergent_rank_is_named_at_the_next_step(model: str, prompts: str) -> None:
@@ -90,8 +91,9 @@ def test_divergent_rank_is_named_at_the_next_step(model: str, prompts: str) -> N
     results = run_world(4, _rank_main, argv, {}, None, timeout=90,
                         env={"DSPARK_FAULT": "3:3:diverge"})
     assert time.monotonic() - start < 60
-    assert [rc for rc, _, _ in results] == [1, 1, 1, 1]
-    said = [line for _, lines, _ in results for line in lines]
+    assert [rc for rc, *_ in results] == [1, 1, 1, 1]
+    assert [step for *_, step in results] == [4, 4, 4, 4]  # stopped at the very next step
+    said = [line for _, lines, *_ in results for line in lines]
     assert len(said) == 1 and results[0][1] == said
     assert said[0].startswith("dspark_launch: error: ranks [2, 3] of one attn_tp group "
                               "committed different tokens at step 3: request(s) ['")
