@@ -18,6 +18,13 @@ import torch.distributed as dist
 
 from dspark_launch.attention import build_metadata
 from dspark_launch.comm import all_gather_ints
+from dspark_launch.engine.divergence import (
+    Commits,
+    check_commits,
+    commits_digest,
+    committed_tokens,
+    inject_divergence,
+)
 from dspark_launch.engine.output import request_record
 from dspark_launch.engine.request import Request, RequestSpec, Status
 from dspark_launch.engine.scheduler import Scheduler, StepPlan
@@ -77,16 +84,20 @@ class Engine:
         sched = Scheduler(mine, self.space, self.limits.max_running, self.limits.chunk_size,
                           self._round_rows)
         pending: list[Request] = []  # finished here, not yet reported
+        commits: Commits = {}  # tokens committed in the last step, by request id
         progress.phase = "decode"
         while True:
             progress.step = self.steps
             plan = sched.schedule()
+            pending.extend(sched.take_ended())  # ended by the scheduler (round past the context)
             if plan.empty and sched.has_work and (stuck := self._unstick(sched)) is not None:
                 pending.append(stuck)
             # One small all-gather per step: who has tokens, who has work, who finished
-            # something, and whether any rank was asked to stop (so all stop after this step).
+            # something, whether any rank was asked to stop (so all stop after this step),
+            # and what each rank committed in the last step (its group must agree).
             flags = all_gather_ints([int(not plan.empty), int(sched.has_work), len(pending),
-                                     received_signal()])
+                                     received_signal(), commits_digest(commits)])
+            check_commits([f[4] for f in flags], self.steps - 1, commits)
             if any(f[2] for f in flags):
                 gathered = self._gather_finished(pending)
                 if on_finish is not None:
@@ -101,7 +112,11 @@ class Engine:
                 continue
             inject_fault(get_parallel().rank, self.steps)
             # Some group has tokens: every rank joins the target forward, idle ones with none.
+            reqs = [r for r, _ in plan.prefill] + plan.decode
+            before = [len(r.output_ids) for r in reqs]
             pending = self._step(plan, sched) if not plan.empty else self._idle_forward()
+            inject_divergence(get_parallel().rank, self.steps, reqs, before)
+            commits = committed_tokens(reqs, before)
             self.steps += 1
         return mine
 

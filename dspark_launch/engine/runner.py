@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dspark_launch import failure
 from dspark_launch.args import RunConfig
 from dspark_launch.attention import make_backend
 from dspark_launch.comm import agreed, broadcast_object
@@ -106,9 +107,33 @@ def read_requests(cfg: RunConfig, tokenizer, context_limit: int, vocab_size: int
 
 
 def _load(cfg: RunConfig, dtype: str, device):
+    failure.inject_fault(get_parallel().rank, "load")
     ckpt = resolve_checkpoints(cfg)
     target = load_model(ckpt.model, dtype, device)
-    return ckpt, target, make_proposer(cfg, ckpt.algorithm, ckpt.draft, target, device, dtype)
+    parts = make_proposer(cfg, ckpt.algorithm, ckpt.draft, target, device, dtype)
+    check_block_size(cfg, parts, target.config.max_position_embeddings)
+    return ckpt, target, parts
+
+
+def check_block_size(cfg: RunConfig, parts, max_position_embeddings: int) -> None:
+    """A draft block longer than the context can never be verified (a block of 100k mask
+    tokens per step would run for minutes before failing): refuse it. One longer than the
+    draft was trained for runs, but its later slots were never trained: warn."""
+    if parts.algorithm == "NONE":
+        return
+    if cfg.context_length is not None:
+        limit, source = cfg.context_length, "--context-length"
+    else:
+        limit, source = max_position_embeddings, "the model's max_position_embeddings"
+    if parts.block_size > limit:
+        raise ConfigError(
+            f"--block-size={parts.block_size} is larger than the context limit of {limit} "
+            f"tokens ({source}); use a block size of at most {limit}")
+    trained = parts.draft.config.block_size if parts.draft is not None else None
+    if trained and parts.block_size > trained and get_parallel().rank == 0:
+        logger.warning("--block-size=%d is larger than the draft's trained block size %d: "
+                       "slots past %d were never trained and will rarely be accepted",
+                       parts.block_size, trained, trained)
 
 
 def run_job(cfg: RunConfig) -> int:
@@ -119,7 +144,10 @@ def run_job(cfg: RunConfig) -> int:
     # a batched verify and one-token decoding. On CUDA "auto" keeps the checkpoint's dtype.
     dtype = "float32" if cfg.dtype == "auto" and device.type == "cpu" else cfg.dtype
     # Checkpoints are read per rank (each its own shards): agree before the next collective.
+    failure.progress.phase = "loading"  # a signal stops every rank here at once (nothing to write)
     ckpt, target, proposer_parts = agreed(lambda: _load(cfg, dtype, device))
+    failure.progress.phase = "allocating pools"
+    failure.inject_fault(state.rank, "budget")  # test hook: a budget error on one rank only
     round_rows = max(1 + proposer_parts.max_drafts, proposer_parts.block_rows)
     model_limit = cfg.context_length or target.config.max_position_embeddings
     step = step_shape(cfg, target.config, target.dtype, proposer_parts.max_drafts,
@@ -134,6 +162,7 @@ def run_job(cfg: RunConfig) -> int:
     memory = build_kv_memory(plan, target_geometry(target), proposer_parts.geometry,
                              cfg.max_running_requests, context_limit + round_rows, device,
                              target, proposer_parts.draft)
+    failure.progress.phase = "startup"
     backend = make_backend(cfg.attention_backend, device)
     proposer = proposer_parts.build(memory, backend)
     # CUDA only (no peak statistics on CPU): one step at the largest batch within its price.
