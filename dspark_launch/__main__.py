@@ -18,10 +18,20 @@ import torch.distributed as dist
 from dspark_launch.args import RunConfig, resolve_config
 from dspark_launch.errors import ConfigError, LaunchError
 from dspark_launch.failure import (
+    BROKEN,
+    EXIT_CODES,
+    FAILED,
     Interrupted,
-    describe_collective_failure,
+    conclude,
+    config_verdict,
     install_signal_handlers,
     progress,
+    received_signal,
+    record_signals_only,
+    roll_call,
+    signal_verdict,
+    store_of_world,
+    verdict_wait_s,
 )
 from dspark_launch.log import logger, setup_logging
 from dspark_launch.parallel import (
@@ -88,21 +98,48 @@ def run(cfg: RunConfig) -> int:
         from dspark_launch.engine.runner import run_job
 
         return run_job(*engine_and_job_args(cfg))
-    except LaunchError as err:
-        # Configuration is the same on every rank, so rank 0 says it once.
-        if isinstance(err, (Interrupted, ConfigError)) and state.rank != 0:
-            return err.exit_code
-        raise
-    except Exception as err:  # noqa: BLE001 - every failure ends as one named line
-        if is_collective_failure(err):
-            speak, line = describe_collective_failure(state.rank, state.world_size, err)
-            if speak:
-                print(f"dspark_launch: error: {line}", file=sys.stderr, flush=True)
-        else:
-            print(f"dspark_launch: error: rank {state.rank} failed during {progress.where()}: "
-                  f"{type(err).__name__}: {err}\n{traceback.format_exc()}", file=sys.stderr,
-                  flush=True)
+    except BaseException as err:  # noqa: BLE001 - every failure ends as one named line
+        return stop(state, err)
+
+
+def stop(state: ParallelState, err: BaseException) -> int:
+    """End this rank after `err`, as every rank agrees: one line, said once, one exit code."""
+    record_signals_only()
+    if isinstance(err, KeyboardInterrupt):  # a second signal: now, without a roll call
+        return EXIT_CODES.get(received_signal(), 130)
+    if not isinstance(err, Exception):
+        raise err  # SystemExit and the like: not a failure to report
+    if isinstance(err, LaunchError) and getattr(err, "agreed", False):
+        # Raised alike on every rank from data they all hold (a divergence): rank 0 says it.
+        if state.rank == 0:
+            print(f"dspark_launch: error: {err}", file=sys.stderr, flush=True)
+        return err.exit_code
+    verdict = _verdict(err)
+    if verdict is None:  # this rank's own failure: its traceback, here
+        print(f"dspark_launch: error: rank {state.rank} failed during {progress.where()}: "
+              f"{type(err).__name__}: {err}\n{traceback.format_exc()}", file=sys.stderr,
+              flush=True)
+        roll_call(store_of_world(), state.rank, state.world_size, FAILED, 0.0)
         return 1
+    answers = roll_call(store_of_world(), state.rank, state.world_size, verdict,
+                        verdict_wait_s(verdict))
+    noticed = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    end = conclude(state.rank, state.world_size, answers, noticed)
+    if end.speak:
+        print(f"dspark_launch: error: {end.line}", file=sys.stderr, flush=True)
+    return end.exit_code
+
+
+def _verdict(err: BaseException) -> str | None:
+    """What this rank tells the others in the roll call (None: a failure of its own)."""
+    signum = err.signum if isinstance(err, Interrupted) else received_signal()
+    if signum:
+        return signal_verdict(signum)
+    if isinstance(err, ConfigError):
+        return config_verdict(str(err))
+    if is_collective_failure(err):
+        return BROKEN
+    return None
 
 
 def engine_and_job_args(cfg: RunConfig):
@@ -142,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as err:
         print(f"dspark_launch: error: {err}", file=sys.stderr, flush=True)
         return err.exit_code
-    except KeyboardInterrupt:  # a second Ctrl-C: stop without waiting for the step boundary
-        return 130
+    except KeyboardInterrupt:  # a second signal: stop without waiting for the step boundary
+        return EXIT_CODES.get(received_signal(), 130)
     finally:
         destroy_parallel_runtime()
 

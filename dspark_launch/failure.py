@@ -1,31 +1,39 @@
 """Never a hung job: signals become an agreed stop, a broken collective becomes a named failure.
 
-- SIGINT / SIGTERM only set a flag. The engine exchanges the flag with every rank at each step
-  boundary (inside the step's all-gather), so all ranks stop after the same step, write what
-  finished, destroy their groups and exit 130 / 143.
-- A collective that fails (a peer died: its sockets closed; or --dist-timeout expired: a peer
-  is stuck) is answered with a roll call through the rendezvous store, which outlives any worker,
-  so the lowest surviving rank can name the ranks that did not answer and the step they were in.
+- SIGINT / SIGTERM while decoding only set a flag. The engine exchanges the flag with every rank
+  at each step boundary (inside the step's all-gather), so all ranks stop after the same step,
+  write what finished, destroy their groups and exit 130 / 143. Before decoding (loading
+  weights, allocating pools) there is no boundary to wait for and nothing to write: the signal
+  stops the rank at once. A second signal stops at once, except inside an output line's write.
+- A rank that stops on its own (a configuration error only it sees, a signal only it got, a
+  dead peer) tells the others through the rendezvous store, which outlives any worker: every
+  rank posts its verdict, reads the others' (a roll call), and all reach the same conclusion —
+  that rank's own message and exit 2 for a configuration error, 130 / 143 for a signal, else
+  the ranks that did not answer and the step they were in.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from dspark_launch.errors import LaunchError
+from dspark_launch.errors import ConfigError, LaunchError
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
 class Interrupted(LaunchError):
     def __init__(self, signum: int) -> None:
-        super().__init__(f"interrupted by {signal.Signals(signum).name}; completed requests "
-                         f"are in the output")
+        after = ("completed requests are in the output" if progress.phase == "decode" else
+                 f"stopped during {progress.where()}, before any request ran")
+        super().__init__(f"interrupted by {signal.Signals(signum).name}; {after}")
+        self.signum = signum
         self.exit_code = EXIT_CODES.get(signum, 1)
 
 
@@ -40,18 +48,47 @@ class Progress:
 
 progress = Progress()
 _received: list[int] = []
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+_record_only = [False]  # while a rank is already stopping: remember signals, never raise
 
 
 def _on_signal(signum: int, _frame) -> None:
+    if _record_only[0]:
+        _received[:] = _received or [signum]
+        return
     if _received:  # a second signal: stop waiting for the step boundary
         raise KeyboardInterrupt
     _received.append(signum)
+    if progress.phase != "decode":
+        # Loading or allocating: stop now. The other ranks got the signal too (torchrun sends
+        # it to every worker), or learn of it in the roll call when this rank's sockets close.
+        raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Defer SIGINT / SIGTERM for a short write (one output line): a signal that arrives
+    meanwhile is delivered when the write is whole, so no line is ever torn."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def install_signal_handlers() -> None:
     _received.clear()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    _record_only[0] = False
+    for sig in STOP_SIGNALS:
         signal.signal(sig, _on_signal)
+
+
+def record_signals_only() -> None:
+    """From here on a signal is remembered, never raised: this rank is already stopping, and
+    an exception in the middle of its roll call would cost the job its one clear line."""
+    _record_only[0] = True
 
 
 def received_signal() -> int:
@@ -59,49 +96,127 @@ def received_signal() -> int:
     return _received[0] if _received else 0
 
 
-def roll_call(rank: int, world_size: int, wait_s: float = 3.0) -> list[int]:
-    """Ranks that do not check in through the store within wait_s (dead or stuck)."""
+ROLL_CALL_WAIT_S = 5.0  # a rank whose collective broke: how long it waits for the others
+REPORT_WAIT_S = 2.0  # a rank with a configuration error: how long it waits to learn whether
+# the others hit the same one (they raise it at the same point, within milliseconds)
+BROKEN = "broken"  # the verdict of a rank whose collective failed under it
+FAILED = "failed"  # the verdict of a rank that failed on its own and printed its traceback
+
+
+def store_of_world():
+    """The rendezvous store, which outlives every worker (None when there is none to ask)."""
     try:
-        store = dist.distributed_c10d._get_default_store()
+        return dist.distributed_c10d._get_default_store()
     except Exception:  # noqa: BLE001 - no store left to ask
-        return []
-    key = f"dspark/alive/{progress.phase}/{progress.step}"
+        return None
+
+
+def roll_call(store, rank: int, world_size: int, verdict: str, wait_s: float) -> dict[int, str]:
+    """Post this rank's verdict; the verdicts posted until every rank has answered, or wait_s
+    passed, or (for a rank whose collective broke) some rank posted a reason: its peers may be
+    blocked behind this rank and notice only when it exits. A rank missing from the answer is
+    dead, stuck, or has not noticed yet. One roll call per process and attempt (the store has
+    a prefix per attempt)."""
+    if store is None or world_size == 1:
+        return {rank: verdict}
+    key = "dspark/verdict"
     try:
-        store.set(f"{key}/{rank}", "1")
+        store.set(f"{key}/{rank}", verdict)
         deadline = time.monotonic() + wait_s
-        missing = list(range(world_size))
-        while missing and time.monotonic() < deadline:
-            missing = [r for r in missing if not store.check([f"{key}/{r}"])]
-            time.sleep(0.1)
-        return missing
+        answers: dict[int, str] = {}
+        while True:
+            for r in range(world_size):
+                if r not in answers and store.check([f"{key}/{r}"]):
+                    answers[r] = store.get(f"{key}/{r}").decode()
+            reason = verdict == BROKEN and any(v != BROKEN for v in answers.values())
+            if len(answers) == world_size or reason or time.monotonic() >= deadline:
+                return answers
+            time.sleep(0.05)
     except Exception:  # noqa: BLE001 - the store itself is gone: nothing to name
-        return []
+        return {rank: verdict}
 
 
-def describe_collective_failure(rank: int, world_size: int, err: BaseException) -> tuple[bool, str]:
-    """(should this rank print, the one-line message) after a failed collective."""
-    missing = roll_call(rank, world_size)
-    alive = [r for r in range(world_size) if r not in missing]
-    speaker = not alive or rank == min(alive)
+def signal_verdict(signum: int) -> str:
+    return f"signal {signum}"
+
+
+def config_verdict(message: str) -> str:
+    return f"config {message}"
+
+
+def verdict_wait_s(verdict: str) -> float:
+    """A signalled rank leaves at once (its peers learn of it from the store); a rank with a
+    configuration error waits briefly to learn whether it is the one to say it; a rank whose
+    collective broke waits for the others' reasons."""
+    if verdict.startswith("signal "):
+        return 0.0
+    return REPORT_WAIT_S if verdict.startswith("config ") else ROLL_CALL_WAIT_S
+
+
+@dataclass(frozen=True)
+class Conclusion:
+    exit_code: int
+    speak: bool
+    line: str
+
+
+def conclude(rank: int, world_size: int, answers: dict[int, str], noticed: str = "") -> Conclusion:
+    """Every rank's ending from the roll call: a signal outranks a configuration error, which
+    outranks a rank's own failure (it printed its traceback), which outranks a dead or stuck
+    peer. One rank speaks: rank 0 for a signal (torchrun signals every
+    rank); for a configuration error the rank that saw it (the lowest of those that saw the same
+    message), in its own words, since its peers only know their collective broke; else the
+    lowest rank that answered, naming the ranks that did not."""
+    mine = answers[rank]
+    signals = {r: int(v.split()[1]) for r, v in answers.items() if v.startswith("signal ")}
+    if signals:
+        signum = signals[min(signals)]
+        after = ("completed requests are in the output" if progress.phase == "decode" else
+                 f"stopped during {progress.where()}, before any request ran")
+        return Conclusion(EXIT_CODES.get(signum, 1), rank == 0,
+                          f"interrupted by {signal.Signals(signum).name}; {after}")
+    configs = {r: v for r, v in answers.items() if v.startswith("config ")}
+    if configs:
+        same = sorted(r for r, v in configs.items() if v == mine)
+        message = mine[len("config "):]
+        if len(same) < world_size:
+            message = f"on rank(s) {same}: {message}"
+        return Conclusion(2, bool(same) and rank == same[0], message)
+    failed = sorted(r for r, v in answers.items() if v == FAILED)
+    if failed:  # it printed its own traceback; the others only follow it out
+        return Conclusion(1, False, f"rank(s) {failed} failed during {progress.where()}")
+    missing = [r for r in range(world_size) if r not in answers]
     who = f"rank(s) {missing}" if missing else "a peer rank"
-    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return speaker, (
-        f"{who} of {world_size} stopped answering during {progress.where()} "
-        f"(noticed by rank {rank}: {first_line})")
+    return Conclusion(1, rank == min(answers), f"{who} of {world_size} stopped answering "
+                      f"during {progress.where()} (noticed by rank {rank}: {noticed})")
 
 
-FAULT_ENV = "DSPARK_FAULT"  # test hook: "RANK:STEP:raise|kill|hang", first attempt only
+# Test hook: "RANK:WHERE:KIND", first attempt only. WHERE is a decode step or a named point
+# ("load", "rewrite-partial", "rewrite-written", "rewrite-replaced"); KIND is raise, kill,
+# hang, config (a ConfigError on that rank only) or diverge (engine/divergence.py).
+FAULT_ENV = "DSPARK_FAULT"
 
 
-def inject_fault(rank: int, step: int) -> None:
-    """Fail on purpose where DSPARK_FAULT says, so failure handling is tested for real."""
+def fault_wanted(rank: int, where: int | str) -> str | None:
+    """The fault KIND DSPARK_FAULT asks of this rank at this point, else None."""
     spec = os.environ.get(FAULT_ENV)
     # Only the first attempt fails: a job restarted by torchrun --max-restarts runs clean.
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return None
+    want_rank, want_where, kind = spec.split(":")
+    return kind if int(want_rank) == rank and want_where == str(where) else None
+
+
+def inject_fault(rank: int | None, where: int | str) -> None:
+    """Fail on purpose where DSPARK_FAULT says, so failure handling is tested for real.
+    rank None: this process's RANK (for code that runs on rank 0 only, like the writer)."""
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    kind = fault_wanted(rank, where)
+    if kind is None:
         return
-    want_rank, want_step, kind = spec.split(":")
-    if int(want_rank) != rank or int(want_step) != step:
-        return
+    spec = os.environ[FAULT_ENV]
+    if kind == "config":
+        raise ConfigError(f"fault injected on rank {rank} by {FAULT_ENV}={spec}")
     if kind == "raise":
         raise ValueError(f"fault injected by {FAULT_ENV}={spec}")
     if kind == "kill":

@@ -4,7 +4,8 @@
 
 Plain `torchrun` works too; it answers a SIGINT/SIGTERM with its own traceback and exit code 1,
 and a failed rank with a multi-line report. This wrapper ends the job with 130/143 on a signal
-(after every rank wrote its completed requests) and with one line naming the failed rank.
+(after every rank wrote its completed requests), with 2 when the ranks refused their
+configuration (one of them said why), and with one line naming a rank that failed otherwise.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         code = failure.exitcode
+        if code in (2, 130, 143):
+            # A configuration error (2) or a signal (130 / 143): the ranks agreed on it and
+            # one of them already said why; the job ends with that code.
+            return code
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         print(f"dspark_launch: error: rank {rank} (local_rank {failure.local_rank}) ended with "
               f"{how}; the job stopped", file=sys.stderr, flush=True)

@@ -16,6 +16,8 @@ _LAZY = {
     "paged_decode_attention": "decode_attention",
     "choose_num_splits": "decode_attention",
     "extend_attention": "extend_attention",
+    "choose_extend_splits": "extend_attention",
+    "merge_splits": "lse_merge",
 }
 
 __all__ = ["ref_decode", "ref_extend", "ref_store", "store_kv_torch", *_LAZY]
@@ -25,7 +27,10 @@ def __getattr__(name: str):
     if name in _LAZY:
         module = importlib.import_module(f".{_LAZY[name]}", __name__)
         # Importing submodule `store_kv` binds the module object to this package's
-        # `store_kv` attribute; rebind the function so `from ... import store_kv` works.
-        globals()[name] = fn = getattr(module, name)
-        return fn
+        # `store_kv` attribute; rebind the function (and its module's other exports, e.g.
+        # `extend_attention` when `choose_extend_splits` came first) so imports get functions.
+        for other, mod in _LAZY.items():
+            if mod == _LAZY[name]:
+                globals()[other] = getattr(module, other)
+        return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""Paged decode attention: split-K stage 1 (online softmax per split) + stage 2 LSE merge.
+"""Paged decode attention: split-K stage 1 (online softmax per split) + the LSE merge.
 
 One query per sequence. A program of stage 1 owns (sequence, KV head, block of its query
 heads, split): the GQA group shares every K/V tile load, and the group's BLOCK_H query
@@ -7,35 +7,35 @@ rows go through tl.dot. LSEs are kept in base 2 (exp2 is the native instruction)
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from .utils import dot_precision, interpreting, mma, pow2, sm_count
+from .lse_merge import choose_splits, merge_splits, split_workspace
+from .utils import dot_precision, interpreting, mma, pow2
 
 MAX_SPLITS = 8
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # runtime: one compile for every count
 def _decode_stage1(
     Q,  # [B, HQ, D]
     K,  # [rows, HKV, D]
     V,  # [rows, HKV, DV]
     KvIndptr,  # [B+1] int64
     KvIndices,  # [nnz] int64
-    AttOut,  # [B, HQ, NUM_SPLITS, DV] fp32, per-split normalized partial output
-    AttLse,  # [B, HQ, NUM_SPLITS] fp32, per-split log2-sum-exp2 (-inf if empty)
+    AttOut,  # [B, HQ, >=num_splits, DV] fp32, per-split normalized partial output
+    AttLse,  # [B, HQ, >=num_splits] fp32, per-split log2-sum-exp2 (-inf if empty)
     qk_scale,  # sm_scale * log2(e)
     stride_qb, stride_qh,
     stride_kr, stride_kh,
     stride_vr, stride_vh,
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
+    num_splits,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
-    D: tl.constexpr, DV: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
@@ -48,7 +48,7 @@ def _decode_stage1(
     kv_start = tl.load(KvIndptr + b)
     kv_len = tl.load(KvIndptr + b + 1) - kv_start
     # Splits are whole BLOCK_N tiles so only the sequence's last tile is partial.
-    chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, kv_len)
 
@@ -104,44 +104,9 @@ def _decode_stage1(
     tl.store(AttLse + b * stride_lb + offs_h * stride_lh + split, lse, mask=h_mask)
 
 
-@triton.jit
-def _decode_stage2(
-    AttOut,  # [B, HQ, NUM_SPLITS, DV] fp32
-    AttLse,  # [B, HQ, NUM_SPLITS] fp32 (log2 domain)
-    Out,  # [B, HQ, DV]
-    stride_ab, stride_ah, stride_as,
-    stride_lb, stride_lh,
-    stride_ob, stride_oh,
-    DV: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
-):
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    s_mask = offs_s < NUM_SPLITS
-    lse = tl.load(AttLse + b * stride_lb + h * stride_lh + offs_s, mask=s_mask,
-                  other=float("-inf"))  # [BLOCK_S]
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # empty sequence: all weights become 0
-    w = tl.exp2(lse - m)  # [BLOCK_S]
-    part = tl.load(
-        AttOut + b * stride_ab + h * stride_ah + offs_s[:, None] * stride_as + offs_dv[None, :],
-        mask=s_mask[:, None] & (offs_dv[None, :] < DV),
-        other=0.0,
-    )  # [BLOCK_S, BLOCK_DV]
-    denom = tl.sum(w, 0)
-    out = tl.sum(part * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_dv, out.to(Out.dtype.element_ty),
-             mask=offs_dv < DV)
-
-
 def choose_num_splits(batch: int, num_kv_heads: int, avg_kv_len: float, device) -> int:
-    """Enough programs to fill the GPU (~2 waves), but never splits shorter than ~256 rows."""
-    programs = max(1, batch * num_kv_heads)
-    want = math.ceil(2 * sm_count(torch.device(device)) / programs)
-    by_len = max(1, math.ceil(avg_kv_len / 256))
-    return int(max(1, min(MAX_SPLITS, want, by_len)))
+    """Decode splits: one program per (sequence, KV head) before splitting."""
+    return choose_splits(batch * num_kv_heads, avg_kv_len, MAX_SPLITS, device)
 
 
 def paged_decode_attention(
@@ -165,8 +130,7 @@ def paged_decode_attention(
         num_splits = choose_num_splits(batch, hkv, kv_indices.numel() / batch, q.device)
     assert 1 <= num_splits <= MAX_SPLITS, f"num_splits must be in 1..{MAX_SPLITS}"
     if workspace is None:
-        att_out = torch.empty((batch, hq, num_splits, dv), dtype=torch.float32, device=q.device)
-        att_lse = torch.empty((batch, hq, num_splits), dtype=torch.float32, device=q.device)
+        att_out, att_lse = split_workspace(batch, hq, num_splits, dv, q.device)
     else:  # caller-preallocated (e.g. for graph capture); may be larger than needed
         att_out, att_lse = workspace
         assert att_out.shape[1:] == (hq, att_out.shape[2], dv) and att_out.shape[2] >= num_splits
@@ -183,15 +147,10 @@ def paged_decode_attention(
         v_cache.stride(0), v_cache.stride(1),
         att_out.stride(0), att_out.stride(1), att_out.stride(2),
         att_lse.stride(0), att_lse.stride(1),
-        GROUP=group, HEAD_BLOCKS=head_blocks, D=d, DV=dv, NUM_SPLITS=num_splits,
+        num_splits,
+        GROUP=group, HEAD_BLOCKS=head_blocks, D=d, DV=dv,
         BLOCK_H=block_h, BLOCK_N=32, BLOCK_D=pow2(d), BLOCK_DV=pow2(dv),
         DOT_PREC=dot_precision(q.dtype), UPCAST=interpreting(),
     )
-    _decode_stage2[(batch, hq)](
-        att_out, att_lse, out,
-        att_out.stride(0), att_out.stride(1), att_out.stride(2),
-        att_lse.stride(0), att_lse.stride(1),
-        out.stride(0), out.stride(1),
-        DV=dv, NUM_SPLITS=num_splits, BLOCK_S=pow2(num_splits, 1), BLOCK_DV=pow2(dv, 1),
-    )
+    merge_splits(att_out, att_lse, out, num_splits)
     return out

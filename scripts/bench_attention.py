@@ -2,12 +2,14 @@
 """Benchmark the Triton paged attention kernels against torch SDPA over contiguous KV.
 
 On CUDA: paged split-K decode and extend at Qwen3-8B head shapes (32 q / 8 kv heads,
-head_dim 128, bf16), achieved GB/s next to the device's peak, a side-by-side table and
-optional JSON (--out). Without CUDA it says so and exits 0, or with --cpu-smoke runs a
-tiny correctness + timing pass through the Triton interpreter.
+head_dim 128, bf16), achieved GB/s next to the device's peak, a side-by-side table, and
+the verify case (a 9-row causal block after a long prefix: the extend kernel's split-K
+path vs the same kernel unsplit vs the torch backend), written as JSON to --out (default
+docs/bench/bench_attention.json). Without CUDA it says so and exits 0, or with --smoke
+runs tiny shapes of every case through the Triton interpreter (JSON only with --out).
 
-    python scripts/bench_attention.py --quick --out bench.json
-    python scripts/bench_attention.py --cpu-smoke
+    python scripts/bench_attention.py --quick
+    python scripts/bench_attention.py --smoke
 """
 
 from __future__ import annotations
@@ -30,19 +32,26 @@ PEAK_GBPS = [
 ]
 HQ, HKV, HEAD_DIM = 32, 8, 128  # Qwen3-8B
 PAGE_SIZE = 16
+DEFAULT_OUT = os.path.join(os.path.dirname(__file__), "..", "docs", "bench",
+                           "bench_attention.json")
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="few shapes, few iterations")
-    p.add_argument("--cpu-smoke", action="store_true", help="tiny run via TRITON_INTERPRET")
-    p.add_argument("--out", help="write results as JSON to this file")
+    p.add_argument("--smoke", "--cpu-smoke", dest="smoke", action="store_true",
+                   help="without CUDA: tiny shapes of every case via TRITON_INTERPRET=1")
+    p.add_argument("--out", help="write results as JSON to this file (on CUDA default: "
+                   "docs/bench/bench_attention.json; smoke runs write only when given)")
     p.add_argument("--peak-gbps", type=float, help="device peak HBM GB/s if not known")
     p.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32, 64, 128, 256])
     p.add_argument("--contexts", type=int, nargs="*", default=[1024, 4096, 8192, 32768])
     p.add_argument("--max-tokens", type=int, default=1 << 21,
                    help="skip decode cases with batch*context above this (memory)")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--verify-q", type=int, default=9, help="verify block rows (block size + 1)")
+    p.add_argument("--verify-contexts", type=int, nargs="*", default=[4096, 32768])
+    p.add_argument("--verify-batches", type=int, nargs="*", default=[1, 8])
     return p.parse_args()
 
 
@@ -138,6 +147,64 @@ def bench_extend(k, batch, ctx, q_len, dtype, device, iters, gen) -> dict:
                 triton_s=t_tri, sdpa_s=t_ref, max_abs_err=err)
 
 
+def bench_verify(k, batch, ctx, q_len, dtype, device, iters, gen, splits=None) -> dict:
+    """A causal q_len-row block whose keys end at ctx (prefix ctx - q_len): split-K vs the
+    unsplit extend kernel (attention only), and both backends' forward (store + attention)."""
+    from dspark_launch.attention import build_metadata, make_backend
+
+    indptr, indices, rows = paged_layout(batch, ctx, device, gen)
+    kc = torch.randn(rows, HKV, HEAD_DIM, dtype=dtype, device=device)
+    vc = torch.randn_like(kc)
+    q = torch.randn(batch * q_len, HQ, HEAD_DIM, dtype=dtype, device=device)
+    q_indptr = torch.arange(batch + 1, dtype=torch.int64, device=device) * q_len
+    scale = HEAD_DIM**-0.5
+    if splits is None:
+        splits = k.choose_extend_splits(batch, HKV, q_len, ctx, device)
+
+    def kernel(n):
+        return lambda: k.extend_attention(q, kc, vc, q_indptr, indptr, indices, scale,
+                                          max_q_len=q_len, num_splits=n)
+
+    t_split, t_plain = timeit(kernel(splits), iters, device), timeit(kernel(1), iters, device)
+    table = indices.view(batch, ctx)  # req_to_token: the request's rows, position-major
+    meta = build_metadata(table, list(range(batch)), [ctx - q_len] * batch, [q_len] * batch,
+                          "causal", device=device)
+    new_k, new_v = kc[meta.out_rows], vc[meta.out_rows]  # re-storing them changes nothing
+    outs, times = {}, {}
+    for name in ("torch", "triton"):
+        backend = make_backend(name, device)
+        backend.prepare(meta)
+        run = lambda b=backend: b.forward(q, new_k, new_v, kc, vc, meta, scale)
+        times[name], outs[name] = timeit(run, iters, device), run().float()
+    split_out = kernel(splits)().float()
+    nbytes = 2 * batch * ctx * HKV * HEAD_DIM * kc.element_size()
+    return dict(
+        kind="verify", batch=batch, ctx=ctx, q_len=q_len, splits=splits, bytes=nbytes,
+        split_s=t_split, plain_s=t_plain, torch_backend_s=times["torch"],
+        triton_backend_s=times["triton"],
+        triton_backend_splits=meta.backend_state["triton"].num_splits,
+        split_gbps=nbytes / t_split / 1e9, plain_gbps=nbytes / t_plain / 1e9,
+        speedup_vs_plain=t_plain / t_split, speedup_vs_torch=times["torch"] / t_split,
+        max_abs_err_vs_plain=(split_out - kernel(1)().float()).abs().max().item(),
+        max_abs_err_vs_torch=(split_out - outs["torch"]).abs().max().item(),
+    )
+
+
+def print_verify_table(results: list[dict], peak: float | None) -> None:
+    head = (f"{'verify':<7}{'B':>5}{'ctx':>7}{'q':>4}{'spl':>4} | {'split us':>9}{'GB/s':>7}"
+            f"{'%peak':>7} | {'plain us':>9} | {'torch be us':>11}{'triton be':>10} | "
+            f"{'x plain':>7}{'x torch':>8}{'err':>9}")
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        pct = f"{100 * r['split_gbps'] / peak:6.1f}%" if peak else "     ?"
+        print(f"{'':<7}{r['batch']:>5}{r['ctx']:>7}{r['q_len']:>4}{r['splits']:>4} | "
+              f"{r['split_s'] * 1e6:>9.1f}{r['split_gbps']:>7.0f}{pct:>7} | "
+              f"{r['plain_s'] * 1e6:>9.1f} | {r['torch_backend_s'] * 1e6:>11.1f}"
+              f"{r['triton_backend_s'] * 1e6:>10.1f} | {r['speedup_vs_plain']:>7.2f}"
+              f"{r['speedup_vs_torch']:>8.2f}{r['max_abs_err_vs_torch']:>9.1e}")
+
+
 def print_table(results: list[dict], peak: float | None) -> None:
     head = (f"{'kind':<7}{'B':>5}{'ctx':>7}{'q':>6}{'spl':>4} | {'triton us':>10}{'GB/s':>8}"
             f"{'%peak':>7} | {'sdpa us':>10}{'GB/s':>8} | {'sdpa/tri':>8}{'err':>9}")
@@ -156,9 +223,9 @@ def print_table(results: list[dict], peak: float | None) -> None:
 def main() -> int:
     args = parse_args()
     if not torch.cuda.is_available():
-        if not args.cpu_smoke:
+        if not args.smoke:
             print("bench_attention: no CUDA device found; nothing to benchmark. "
-                  "Use --cpu-smoke for a tiny Triton-interpreter run.")
+                  "Use --smoke for a tiny Triton-interpreter run.")
             return 0
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -167,13 +234,19 @@ def main() -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gen = torch.Generator().manual_seed(0)
     results: list[dict] = []
+    verify: list[dict] = []
+    out_path = args.out
     if device.type == "cpu":
         global HQ, HKV, HEAD_DIM
         HQ, HKV, HEAD_DIM = 4, 2, 64
         name, peak, dtype = "cpu (Triton interpreter)", args.peak_gbps, torch.float32
         results.append(bench_decode(k, 2, 40, dtype, device, 2, gen))
         results.append(bench_extend(k, 2, 40, 8, dtype, device, 2, gen))
+        # One interpreter "SM" never asks for a split; force 3 so the path runs.
+        for ctx in (300, 600):
+            verify.append(bench_verify(k, 1, ctx, args.verify_q, dtype, device, 2, gen, 3))
     else:
+        out_path = out_path or DEFAULT_OUT
         name = torch.cuda.get_device_name(device)
         peak, dtype = peak_for(name, args.peak_gbps), torch.bfloat16
         batches = [1, 32, 256] if args.quick else args.batches
@@ -190,14 +263,23 @@ def main() -> int:
                 if batch * ctx <= args.max_tokens:
                     results.append(bench_extend(k, batch, ctx, 16, dtype, device, iters, gen))
             torch.cuda.empty_cache()
+        for ctx in args.verify_contexts:
+            for batch in [1] if args.quick else args.verify_batches:
+                if batch * ctx <= args.max_tokens:
+                    verify.append(bench_verify(k, batch, ctx, args.verify_q, dtype, device,
+                                               iters, gen))
+            torch.cuda.empty_cache()
     peak_txt = f"{peak:.0f} GB/s" if peak else "unknown (pass --peak-gbps to get %peak)"
     print(f"device: {name}; peak HBM: {peak_txt}; Hq={HQ} Hkv={HKV} D={HEAD_DIM} {dtype}")
     print_table(results, peak)
-    if args.out:
-        with open(args.out, "w") as f:
+    print_verify_table(verify, peak)
+    if out_path:
+        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+        with open(out_path, "w") as f:
             json.dump(dict(device=name, peak_gbps=peak, dtype=str(dtype), heads=[HQ, HKV],
-                           head_dim=HEAD_DIM, results=results), f, indent=2)
-        print(f"wrote {args.out}")
+                           head_dim=HEAD_DIM, page_size=PAGE_SIZE, results=results,
+                           verify=verify), f, indent=2)
+        print(f"wrote {out_path}")
     return 0
 
 

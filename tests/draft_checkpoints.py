@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from dspark_launch.models.config import ModelConfig
 from dspark_launch.models.draft_config import build_target_layer_ids
@@ -115,21 +115,37 @@ def random_draft_tensors(raw: Mapping[str, Any], *, scale: float = 1.0, std: flo
     return out
 
 
+def target_copies(target_dir: str | Path) -> dict[str, torch.Tensor]:
+    """A target checkpoint's embedding and LM head under DSpark's copy names (as DeepSpec's
+    trainer saves them: frozen copies; a tied target's head is its embedding)."""
+    sd: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(target_dir).glob("*.safetensors")):
+        sd.update(load_file(str(file)))
+    embed = sd["model.embed_tokens.weight"]
+    return {"embed_tokens.weight": embed,
+            "lm_head.weight": sd.get("lm_head.weight", embed).clone()}  # its own storage
+
+
 def write_draft(path: str | Path, target: ModelConfig, kind: str = "DFLASH", *,
                 scale: float = 1.0, seed: int = 0, drop: Iterable[str] = (),
                 replace: Mapping[str, torch.Tensor] | None = None,
-                config_overrides: Mapping[str, Any] | None = None, **options: Any) -> Path:
+                config_overrides: Mapping[str, Any] | None = None,
+                target_weights: str | Path | None = None, **options: Any) -> Path:
     """Write config.json + model.safetensors; returns the directory.
 
     options go to draft_config_dict (block_size, num_layers, target_layer_ids, markov_rank,
     head_type, confidence, ...); `drop` removes tensors and `replace` swaps them (for
     bad-checkpoint tests); config_overrides are applied to config.json AFTER the tensors
-    are drawn (so a config can disagree with its weights).
+    are drawn (so a config can disagree with its weights). target_weights: the target's
+    checkpoint directory, whose embedding / LM head a DSpark draft then carries as its
+    copies (without it the copies are random, for tests that never load the target).
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     raw = draft_config_dict(target, kind, **options)
     tensors = random_draft_tensors(raw, scale=scale, seed=seed)
+    if target_weights is not None and kind == "DSPARK":
+        tensors.update(target_copies(target_weights))
     for name in drop:
         tensors.pop(name)
     tensors.update(replace or {})

@@ -65,7 +65,7 @@ def _draft(root: Path, target: Path, kind: str, block: int, **options) -> Path:
     path = root / f"{target.name}_{kind.lower()}_b{block}{'_' + tag if tag else ''}"
     if not (path / "config.json").is_file():
         write_draft(path, _model_config(target), kind, block_size=block, num_layers=1,
-                    target_layer_ids=[0, 1], seed=block, **options)
+                    target_layer_ids=[0, 1], seed=block, target_weights=target, **options)
     return path
 
 

@@ -1,4 +1,8 @@
-"""Triton backend: store_kv + paged split-K decode or extend kernels."""
+"""Triton backend: store_kv + paged split-K decode or extend kernels.
+
+Short extends (verify and draft blocks, <= 32 rows) at long context take the extend
+kernel's split-K path; longer ones (prefill chunks) have query blocks enough to fill the GPU.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +24,11 @@ logger = logging.getLogger("dspark_launch")
 class _TritonState:
     decode: bool
     avg_kv_len: float  # decode split heuristic input (Hkv is only known in forward)
+    max_kv_len: int  # extend split heuristic input
     max_q_len: int  # extend only; known on host, so the kernel launch needs no sync
+    # Chosen at the first layer's forward, reused by the rest: a speed choice only (every
+    # split count computes the same attention, up to rounding).
+    num_splits: int | None = None
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -53,6 +61,7 @@ class TritonAttentionBackend(AttentionBackend):
         meta.backend_state[self.name] = _TritonState(
             decode=meta.is_decode,
             avg_kv_len=sum(meta.kv_lens) / meta.num_requests,
+            max_kv_len=max(meta.kv_lens),
             max_q_len=max(meta.q_lens),
         )
 
@@ -61,16 +70,23 @@ class TritonAttentionBackend(AttentionBackend):
             return self._empty_out(q, v_cache)
         state = self._prepared(meta)
         self._k.store_kv(k_cache, v_cache, k, v, meta.out_rows)
+        hkv = k_cache.shape[1]
         if state.decode:
-            num_splits = self._k.choose_num_splits(
-                meta.num_requests, k_cache.shape[1], state.avg_kv_len, q.device
-            )
+            if state.num_splits is None:
+                state.num_splits = self._k.choose_num_splits(
+                    meta.num_requests, hkv, state.avg_kv_len, q.device
+                )
             return self._k.paged_decode_attention(
                 q, k_cache, v_cache, meta.kv_indptr, meta.kv_indices, sm_scale,
-                num_splits=num_splits,
+                num_splits=state.num_splits,
+            )
+        if state.num_splits is None:
+            state.num_splits = self._k.choose_extend_splits(
+                meta.num_requests, hkv, state.max_q_len, state.max_kv_len, q.device
             )
         return self._k.extend_attention(
             q, k_cache, v_cache, meta.q_indptr, meta.kv_indptr, meta.kv_indices, sm_scale,
             mask_mode=meta.mask_mode, custom_mask=meta.custom_mask,
             mask_indptr=meta.mask_indptr, max_q_len=state.max_q_len,
+            num_splits=state.num_splits,
         )

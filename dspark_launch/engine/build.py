@@ -10,14 +10,17 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from dspark_launch import failure
 from dspark_launch.attention import make_backend
 from dspark_launch.comm import agreed
 from dspark_launch.engine.engine import Engine, EngineLimits
+from dspark_launch.engine.warmup import largest_batch_step
 from dspark_launch.errors import ConfigError
 from dspark_launch.log import logger
 from dspark_launch.memory.budget import configure_memory, measure_free_bytes
 from dspark_launch.memory.build import build_kv_memory
 from dspark_launch.memory.geometry import KVGeometry
+from dspark_launch.memory.transients import check_step_peak, step_shape
 from dspark_launch.models.loader import load_model
 from dspark_launch.parallel import get_parallel
 from dspark_launch.spec.factory import draft_kind_of, make_proposer
@@ -109,9 +112,33 @@ def generation_defaults(model_dir: str) -> dict:
 
 
 def _load(args: EngineArgs, dtype: str, device):
+    failure.inject_fault(get_parallel().rank, "load")
     ckpt = resolve_checkpoints(args)
     target = load_model(ckpt.model, dtype, device)
-    return ckpt, target, make_proposer(args, ckpt.algorithm, ckpt.draft, target, device, dtype)
+    parts = make_proposer(args, ckpt.algorithm, ckpt.draft, target, device, dtype)
+    check_block_size(args, parts, target.config.max_position_embeddings)
+    return ckpt, target, parts
+
+
+def check_block_size(args: EngineArgs, parts, max_position_embeddings: int) -> None:
+    """A draft block longer than the context can never be verified (a block of 100k mask
+    tokens per step would run for minutes before failing): refuse it. One longer than the
+    draft was trained for runs, but its later slots were never trained: warn."""
+    if parts.algorithm == "NONE":
+        return
+    if args.context_length is not None:
+        limit, source = args.context_length, "--context-length"
+    else:
+        limit, source = max_position_embeddings, "the model's max_position_embeddings"
+    if parts.block_size > limit:
+        raise ConfigError(
+            f"--block-size={parts.block_size} is larger than the context limit of {limit} "
+            f"tokens ({source}); use a block size of at most {limit}")
+    trained = parts.draft.config.block_size if parts.draft is not None else None
+    if trained and parts.block_size > trained and get_parallel().rank == 0:
+        logger.warning("--block-size=%d is larger than the draft's trained block size %d: "
+                       "slots past %d were never trained and will rarely be accepted",
+                       parts.block_size, trained, trained)
 
 
 def build_engine(args: EngineArgs) -> Engine:
@@ -123,26 +150,39 @@ def build_engine(args: EngineArgs) -> Engine:
     # a batched verify and one-token decoding. On CUDA "auto" keeps the checkpoint's dtype.
     dtype = "float32" if args.dtype == "auto" and device.type == "cpu" else args.dtype
     # Checkpoints are read per rank (each its own shards): agree before the next collective.
+    failure.progress.phase = "loading"  # a signal stops every rank here at once (nothing to write)
     ckpt, target, parts = agreed(lambda: _load(args, dtype, device))
-    plan = configure_memory(args, target_geometry(target), parts.geometry, device, free_before)
+    failure.progress.phase = "allocating pools"
+    failure.inject_fault(state.rank, "budget")  # test hook: a budget error on one rank only
     round_rows = max(1 + parts.max_drafts, parts.block_rows)
     model_limit = args.context_length or target.config.max_position_embeddings
+    step = step_shape(args, target.config, target.dtype, parts.max_drafts, parts.block_rows,
+                      parts.draft)
+    plan = configure_memory(args, target_geometry(target), parts.geometry, device, free_before,
+                            step, model_limit + round_rows)
     context_limit = min(model_limit, plan.max_total_tokens - round_rows + 1)
     if context_limit < 2:
         raise ConfigError(
             f"the KV pool holds {plan.max_total_tokens} tokens per rank, too few for one "
             f"round of {round_rows} rows; raise --kv-cache-memory or --max-total-tokens")
     memory = build_kv_memory(plan, target_geometry(target), parts.geometry,
-                             args.max_running_requests, context_limit + round_rows, device)
+                             args.max_running_requests, context_limit + round_rows, device,
+                             target, parts.draft)
+    failure.progress.phase = "startup"
     backend = make_backend(args.attention_backend, device)
     proposer = parts.build(memory, backend)
+    # CUDA only (no peak statistics on CPU): one step at the largest batch within its price.
+    check_step_peak(plan.transient_bytes, step,
+                    lambda: largest_batch_step(target, proposer, memory, backend, step), device)
     if state.rank == 0:
         logger.info(
             "target %s (%s), algorithm %s%s, KV: %d tokens/rank (cells target %d + draft %d "
-            "bytes), context limit %d, attention %s",
+            "bytes), budget %d bytes/rank (%s) incl. %d bytes of step transients, context "
+            "limit %d, attention %s",
             ckpt.model, str(target.dtype).replace("torch.", ""), ckpt.algorithm,
             f" draft {ckpt.draft}" if ckpt.draft else "", plan.max_total_tokens,
-            plan.target_cell, plan.draft_cell, context_limit, backend.name)
+            plan.target_cell, plan.draft_cell, plan.budget_bytes, plan.budget_rule,
+            plan.transient_bytes, context_limit, backend.name)
     limits = EngineLimits(
         max_running=args.max_running_requests, chunk_size=args.chunked_prefill_size,
         context_limit=context_limit, eos_ids=tuple(target.config.eos_token_ids), seed=args.seed)

@@ -24,6 +24,12 @@ import torch.distributed as dist
 
 from dspark_launch.attention import build_metadata, upload
 from dspark_launch.engine.accept import LogitRows, accept
+from dspark_launch.engine.divergence import (
+    check_commits,
+    commits_digest,
+    committed_tokens,
+    inject_divergence,
+)
 from dspark_launch.engine.exchange import IDLE_WAIT_S, Flags, Inbox, exchange
 from dspark_launch.engine.request import (
     Request,
@@ -79,6 +85,7 @@ class Engine:
         # Replicated on every rank: where each unfinished request runs, and each group's load.
         self.live: dict[int, tuple[int, int]] = {}  # index -> (attn_dp group, load)
         self.load = [0] * state.attn_dp_size
+        self.commits: dict[str, list[int]] = {}  # what this rank committed last step
         # Filled by build_engine: what was loaded, the memory plan, generation_config.json.
         self.checkpoints = None
         self.plan = None
@@ -137,6 +144,7 @@ class Engine:
         progress.phase, progress.step = "decode", self.steps
         report: list[Request] = []
         plan = self.sched.schedule()
+        report += self.sched.take_ended()  # ended by the scheduler (round past the context)
         if plan.empty and self.sched.has_work and (stuck := self._unstick()) is not None:
             report.append(stuck)
         t0 = time.perf_counter()
@@ -149,13 +157,21 @@ class Engine:
         if state.rank == 0:
             idle = not self.live and plan.empty and not report
             events = self.inbox.take(IDLE_WAIT_S if idle else 0.0)
-        flags, events = exchange(events, tokens, self.sched.has_work)
+        flags, events = exchange(events, tokens, self.sched.has_work,
+                                 commits_digest(self.commits))
+        # The ranks of a group must have committed the same tokens last step.
+        check_commits(flags.digests, self.steps - 1, self.commits)
         if flags.signal:
             raise Interrupted(flags.signal)
+        self.commits = {}
         if any(flags.tokens):
             inject_fault(state.rank, self.steps)
             if tokens:
+                reqs = [r for r, _ in plan.prefill] + plan.decode
+                before = [len(r.output_ids) for r in reqs]
                 report += self._verify_and_commit(plan, proposal, widths, flags, t0)
+                inject_divergence(state.rank, self.steps, reqs, before)
+                self.commits = committed_tokens(reqs, before)
             else:
                 self._idle_forward(flags)
             self.steps += 1

@@ -27,6 +27,7 @@ class Flags:
     tokens: list[int]  # tokens each rank's attn_dp group forwards this step (per rank)
     work: bool  # some rank holds unfinished requests
     signal: int  # a stop signal some rank received (0: none)
+    digests: list[int]  # each rank's digest of what it committed last step (divergence.py)
 
 
 class Inbox:
@@ -52,11 +53,12 @@ class Inbox:
         return events
 
 
-def exchange(events: list[tuple], tokens: int, work: bool) -> tuple[Flags, list[tuple]]:
+def exchange(events: list[tuple], tokens: int, work: bool, digest: int = 0
+             ) -> tuple[Flags, list[tuple]]:
     """Collective over every rank: the flags of all ranks, and rank 0's events."""
-    rows = all_gather_ints([len(events), tokens, int(work), received_signal()])
+    rows = all_gather_ints([len(events), tokens, int(work), received_signal(), digest])
     if rows[0][0]:
         events = broadcast_object(events)
     flags = Flags(tokens=[r[1] for r in rows], work=any(r[2] for r in rows),
-                  signal=max(r[3] for r in rows))
+                  signal=max(r[3] for r in rows), digests=[r[4] for r in rows])
     return flags, events

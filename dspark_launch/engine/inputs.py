@@ -19,7 +19,8 @@ BUILTIN_PROMPTS = Path(__file__).resolve().parent.parent / "assets" / "prompts" 
 
 
 def read_prompt_file(path: str) -> list[dict]:
-    """Raw request dicts from a JSONL file, or one prompt per line of plain text."""
+    """Raw request dicts from a JSONL file (named *.jsonl, or whose first line is a JSON
+    object), or one prompt per line of plain text."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
@@ -27,7 +28,9 @@ def read_prompt_file(path: str) -> list[dict]:
     lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     if not lines:
         raise ConfigError(f"--prompts={path}: the file holds no prompts")
-    jsonl = lines[0][1].lstrip().startswith("{")
+    # A *.jsonl name is a promise: its lines are JSON, a bad one is refused by number. Other
+    # names are sniffed (a first line that is a JSON object makes the file JSONL).
+    jsonl = path.endswith(".jsonl") or lines[0][1].lstrip().startswith("{")
     rows: list[dict] = []
     for n, line in lines:
         if not jsonl:

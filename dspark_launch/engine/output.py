@@ -10,6 +10,7 @@ from pathlib import Path
 
 from dspark_launch.engine.request import RequestOutput, RequestSpec
 from dspark_launch.errors import ConfigError
+from dspark_launch.failure import inject_fault, signals_held
 
 
 def request_record(out: RequestOutput) -> dict:
@@ -61,7 +62,8 @@ def completed_indices(path: str) -> set[int]:
 
 class OutputWriter:
     """Rank 0 only. Lines are appended and flushed as requests finish, so a crash loses nothing
-    that was done; close() rewrites the file in input order (atomically)."""
+    that was done; close() rewrites the file in input order. Every rewrite is atomic, so a crash
+    at any point leaves the old file or the new one, whole: no finished line is ever lost."""
 
     def __init__(self, path: str | None, overwrite: bool, resume: bool, tokenizer=None,
                  specs: list[RequestSpec] | None = None) -> None:
@@ -81,12 +83,16 @@ class OutputWriter:
         if p.parent and not p.parent.exists():
             raise ConfigError(f"--output={path}: folder {p.parent} does not exist")
         if resume and p.exists():
-            self.records = [json.loads(line) for line in p.read_text().splitlines()
-                            if _complete(line)]
+            lines = [line for line in p.read_text(encoding="utf-8").splitlines()
+                     if _complete(line)]
+            self.records = [json.loads(line) for line in lines]
             self.resumed = len(self.records)
-        self._file = open(p, "w", encoding="utf-8")  # noqa: SIM115 - held across the run
-        for record in self.records:
-            self._write(record)
+            # Drop a torn last line (a crash mid-write) so appends start on a line of their
+            # own, without ever truncating the file in place.
+            replace_atomically(p, lines)
+            self._file = open(p, "a", encoding="utf-8")  # noqa: SIM115 - held across the run
+        else:
+            self._file = open(p, "w", encoding="utf-8")  # noqa: SIM115 - held across the run
 
     def add(self, record: dict) -> dict:
         spec = self.prompts.get(record["index"])
@@ -103,9 +109,10 @@ class OutputWriter:
 
     def _write(self, record: dict) -> None:
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
-            os.fsync(self._file.fileno())
+            with signals_held():  # a second Ctrl-C waits for the line to be whole
+                self._file.write(json.dumps(record) + "\n")
+                self._file.flush()
+                os.fsync(self._file.fileno())
 
     def close(self) -> None:
         if self._file is None:
@@ -113,11 +120,33 @@ class OutputWriter:
         self._file.close()
         self._file = None
         ordered = sorted(self.records, key=lambda r: r["index"])
-        tmp = f"{self.path}.tmp"
+        replace_atomically(Path(self.path), [json.dumps(r) for r in ordered])
+
+
+def replace_atomically(path: Path, lines: list[str]) -> None:
+    """Replace `path` by `lines`: write a temp file in the same folder (so the rename cannot
+    cross file systems), fsync it, rename it over `path`, fsync the folder. A crash at any
+    point leaves either the old file or the new one, whole (at worst a stale temp file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
         with open(tmp, "w", encoding="utf-8") as f:
-            for record in ordered:
-                f.write(json.dumps(record) + "\n")
-        os.replace(tmp, self.path)
+            for n, line in enumerate(lines):
+                if n == len(lines) // 2:
+                    inject_fault(None, "rewrite-partial")
+                f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        inject_fault(None, "rewrite-written")
+        os.replace(tmp, path)
+        inject_fault(None, "rewrite-replaced")
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)  # the rename itself survives a power loss
+        finally:
+            os.close(folder)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _complete(line: str) -> bool:

@@ -3,7 +3,9 @@
 Every rank of an attention-TP group runs the same scheduler on the same requests and the same
 (all-gathered) tokens, so their plans agree without messages. A request that does not fit
 waits; a running request that cannot grow preempts the youngest running one, whose K/V is
-dropped and recomputed later — nothing over-allocates, nothing deadlocks.
+dropped and recomputed later — nothing over-allocates, nothing deadlocks. A request whose
+next round is longer than the context can never be scheduled: it ends with finish_reason
+"context_length" (collected by the engine through take_ended()) instead of preempting others.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dspark_launch.engine.request import Request, Status
-from dspark_launch.memory.allocator import KVSpace
+from dspark_launch.memory.allocator import KVSpace, Reserve
 
 
 @dataclass
@@ -43,6 +45,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._admitted = 0
         self._preempted_now = False
+        self._ended: list[Request] = []  # ended by the scheduler, not yet taken by the engine
 
     @property
     def has_work(self) -> bool:
@@ -73,8 +76,12 @@ class Scheduler:
             slot = self.space.new_slot()
             if slot is None:
                 break
-            if not self.space.reserve(slot, n):
+            answer = self.space.reserve(slot, n)
+            if not answer:
                 self.space.free_slot(slot)
+                if answer is Reserve.TOO_LONG:
+                    self.end(req, "context_length")
+                    continue
                 break  # first come, first served: the head of the queue waits for rows
             self.waiting.popleft()
             req.slot, req.status, req.kv_len = slot, Status.RUNNING, 0
@@ -85,8 +92,12 @@ class Scheduler:
         return plan
 
     def _reserve(self, req: Request, length: int, plan: StepPlan) -> bool:
-        """Reserve rows for a decode round, preempting younger requests while they run out."""
-        while not self.space.reserve(req.slot, length):
+        """Reserve rows for a decode round, preempting younger requests while pages run out;
+        a round longer than the context ends the request (preempting would not help)."""
+        while not (answer := self.space.reserve(req.slot, length)):
+            if answer is Reserve.TOO_LONG:
+                self.end(req, "context_length")
+                return False
             victims = [r for r in self.running if r is not req]
             if not victims:
                 return False  # cannot happen while context_limit fits the pool; caller skips
@@ -106,6 +117,20 @@ class Scheduler:
         req.slot, req.status, req.kv_len = None, Status.WAITING, 0
         req.preemptions += 1
         self.waiting.appendleft(req)
+
+    def end(self, req: Request, reason: str) -> None:
+        """End a request the scheduler can never run (the engine reports it as finished)."""
+        req.finish(reason)
+        if req.status is Status.RUNNING:
+            self.finish(req)
+        else:
+            self.waiting.remove(req)
+            req.status = Status.FINISHED
+        self._ended.append(req)
+
+    def take_ended(self) -> list[Request]:
+        ended, self._ended = self._ended, []
+        return ended
 
     def finish(self, req: Request) -> None:
         if req.slot is not None:

@@ -7,7 +7,22 @@ is never handed out. Both pools index the same rows, so one allocator serves bot
 
 from __future__ import annotations
 
+import enum
+
 import torch
+
+
+class Reserve(enum.Enum):
+    """reserve()'s answer. Only OK is truthy, so `if space.reserve(...)` reads as before; the
+    two refusals call for different actions: NO_PAGES is temporary (another request can give
+    pages back: preempt or wait), TOO_LONG never succeeds (the request must end)."""
+
+    OK = "ok"
+    NO_PAGES = "out of pages"
+    TOO_LONG = "longer than the context"
+
+    def __bool__(self) -> bool:
+        return self is Reserve.OK
 
 
 class PageAllocator:
@@ -147,17 +162,17 @@ class KVSpace:
             return False
         return self.pages_needed(slot, length) <= self.allocator.num_free_pages
 
-    def reserve(self, slot: int, length: int) -> bool:
+    def reserve(self, slot: int, length: int) -> Reserve:
         """Make rows exist for positions [0, length). All or nothing."""
         pages = self._check_slot(slot)
         current = self._lens[slot]
         if length <= current:
-            return True
+            return Reserve.OK
         if length > self.max_context_len:
-            return False
+            return Reserve.TOO_LONG
         new_pages = self.allocator.alloc(self.pages_needed(slot, length))
         if new_pages is None:
-            return False
+            return Reserve.NO_PAGES
         pages.extend(new_pages)
         # Positions [current, length) land first in the partly used last page (the
         # remainder of a page already held), then in the new pages, in order.
@@ -170,7 +185,7 @@ class KVSpace:
             self.req_to_token.device
         )
         self._lens[slot] = length
-        return True
+        return Reserve.OK
 
     def truncate(self, slot: int, length: int) -> None:
         """Keep positions [0, length); free pages wholly beyond it."""

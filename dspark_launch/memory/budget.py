@@ -5,10 +5,15 @@ KVGeometry.cell_bytes), never cfg.tp_size: pricing the draft at the raw tp width
 it by up to attn_dp_size and the draft pool OOMs (DESIGN.md, "The bug this project must
 never have"). self_check() proves, from the real buffers, that priced == allocated.
 
-Accounting: the budget covers every row the pools allocate, INCLUDING the dummy page 0, so
-    pages  = floor(budget / (target_cell + draft_cell)) // page_size - 1
+Accounting: the budget covers the step's transients (memory/transients.py) and every row
+the pools allocate, INCLUDING the dummy page 0, so
+    pages  = floor((budget - transients) / (target_cell + draft_cell)) // page_size - 1
     max_total_tokens = pages * page_size     (then MIN across ranks, then the cap)
-and (max_total_tokens + page_size) * (target_cell + draft_cell) <= budget.
+and (max_total_tokens + page_size) * (target_cell + draft_cell) + transients <= budget.
+
+Which rule set the budget travels with it (`budget_rule`): --kv-cache-memory; on CUDA the
+static fraction of free memory; on CPU without a flag, what the run can use (max running
+requests x their context, both pools, plus transients) capped by a share of the RAM.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch.distributed as dist
 
 from dspark_launch.errors import ConfigError, LaunchError
 from dspark_launch.memory.geometry import KVGeometry
+from dspark_launch.memory.transients import StepShape, price_step
 from dspark_launch.parallel import get_parallel
 
 GIB = 1024**3
@@ -61,19 +67,40 @@ def cuda_budget(free_before_load: int, free_after_load: int, mem_fraction_static
     return int(free_after_load - free_before_load * (1.0 - mem_fraction_static))
 
 
-def cpu_budget(kv_cache_memory: int | None) -> int:
-    """--kv-cache-memory when given, else CPU_RAM_SHARE of MemAvailable split across the
-    ranks of this node (they all draw on the same RAM)."""
-    if kv_cache_memory is not None:
-        return int(kv_cache_memory)
+def ram_share_bytes() -> int:
+    """CPU_RAM_SHARE of MemAvailable split across the ranks of this node (one RAM)."""
     return int(mem_available_bytes() * CPU_RAM_SHARE) // max(1, get_parallel().local_world_size)
 
 
-def rank_budget(cfg, device, free_before_load: int | None = None) -> int:
-    """This rank's KV budget in bytes. An explicit --kv-cache-memory wins on any device."""
+def fit_budget(need_bytes: int | None) -> tuple[int, str]:
+    """CPU without --kv-cache-memory: what the run can use, capped by the RAM share."""
+    share = ram_share_bytes()
+    rule = (f"RAM share: {CPU_RAM_SHARE:.0%} of MemAvailable / "
+            f"{get_parallel().local_world_size} local rank(s)")
+    if need_bytes is None or need_bytes > share:
+        return share, rule + ("" if need_bytes is None else f" (the run could use {need_bytes})")
+    return int(need_bytes), (f"fit: max running requests x context, both pools + transients "
+                             f"(under the RAM share {share})")
+
+
+def run_need_bytes(cell: int, page_size: int, max_running: int, request_rows: int,
+                   transients: int) -> int:
+    """Bytes the pools can ever use: every running request at its row limit (whole pages),
+    plus the dummy page, plus the step's transients. plan_memory() turns exactly this
+    budget back into max_running * ceil(request_rows / page_size) pages."""
+    pages = max_running * -(-request_rows // page_size) + 1
+    return pages * page_size * cell + transients
+
+
+def rank_budget(cfg, device, free_before_load: int | None = None,
+                need_bytes: int | None = None) -> tuple[int, str]:
+    """This rank's KV budget in bytes and the rule that set it. --kv-cache-memory wins on
+    any device; need_bytes (run_need_bytes) is what a CPU default sizes to."""
     device = torch.device(device)
-    if cfg.kv_cache_memory is not None or device.type != "cuda":
-        return cpu_budget(cfg.kv_cache_memory)
+    if cfg.kv_cache_memory is not None:
+        return int(cfg.kv_cache_memory), "--kv-cache-memory"
+    if device.type != "cuda":
+        return fit_budget(need_bytes)
     if free_before_load is None:
         raise LaunchError("CUDA budget needs free_before_load, measured before loading weights")
     budget = cuda_budget(free_before_load, measure_free_bytes(device), cfg.mem_fraction_static)
@@ -83,7 +110,7 @@ def rank_budget(cfg, device, free_before_load: int | None = None) -> int:
             f"({free_before_load / GIB:.2f} GiB) * (1 - --mem-fraction-static="
             f"{cfg.mem_fraction_static}) = {budget / GIB:.2f} GiB; raise --mem-fraction-static"
         )
-    return budget
+    return budget, f"free after weights - free before x (1 - {cfg.mem_fraction_static})"
 
 
 # ---------------------------------------------------------------- the plan
@@ -105,13 +132,15 @@ class MemoryPlan:
     tp_rank: int = 0
     attn_tp_rank: int = 0
     attn_dp_rank: int = 0
+    transient_bytes: int = 0  # the step's transients, reserved before the pools
+    budget_rule: str = ""  # which rule set budget_bytes
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.max_total_tokens < self.page_size:
             raise ValueError(f"plan needs >= one page: {self}")
         if self.max_total_tokens % self.page_size:
             raise ValueError(f"max_total_tokens not a multiple of page_size: {self}")
-        if self.pool_rows * self.cell > self.budget_bytes:
+        if self.pool_rows * self.cell + self.transient_bytes > self.budget_bytes:
             raise ValueError(f"plan exceeds its budget: {self}")
 
     @property
@@ -139,6 +168,10 @@ class MemoryPlan:
     def budget_gib(self) -> float:
         return self.budget_bytes / GIB
 
+    @property
+    def transient_gib(self) -> float:
+        return self.transient_bytes / GIB
+
     def to_dict(self) -> dict:
         out = asdict(self)
         out.update(
@@ -146,13 +179,14 @@ class MemoryPlan:
             target_pool_gib=round(self.target_pool_gib, 4),
             draft_pool_gib=round(self.draft_pool_gib, 4),
             budget_gib=round(self.budget_gib, 4),
+            transient_gib=round(self.transient_gib, 4),
         )
         return out
 
 
-def smallest_budget(cell: int, page_size: int) -> int:
-    """One usable page plus the dummy page, for both pools."""
-    return 2 * page_size * cell
+def smallest_budget(cell: int, page_size: int, transient_bytes: int = 0) -> int:
+    """One usable page plus the dummy page, for both pools, plus the step's transients."""
+    return 2 * page_size * cell + transient_bytes
 
 
 def _budget_flag() -> str:
@@ -166,22 +200,26 @@ def plan_memory(
     draft: KVGeometry | None,
     page_size: int,
     max_total_tokens_cap: int | None = None,
+    transient_bytes: int = 0,
+    budget_rule: str = "",
 ) -> MemoryPlan:
-    """Price both pools at the live attn_tp width and size them to the budget. Pure."""
+    """Price both pools at the live attn_tp width and size them to what the budget leaves
+    after the step's transients. Pure."""
     state = get_parallel()
     target_cell = target.cell_bytes()
     draft_cell = draft.cell_bytes() if draft is not None else 0
     cell = target_cell + draft_cell
-    need = smallest_budget(cell, page_size)
+    need = smallest_budget(cell, page_size, transient_bytes)
     if budget_bytes < need:
         raise ConfigError(
             f"KV budget {budget_bytes} bytes ({budget_bytes / GIB:.3f} GiB) per rank is too "
-            f"small: one page of each pool plus the dummy page needs {need} bytes "
-            f"({need / GIB:.4f} GiB) = 2 * page_size={page_size} * (target_cell={target_cell}"
-            f" + draft_cell={draft_cell}) at attn_tp_size={state.attn_tp_size}; raise "
-            f"{_budget_flag()}"
+            f"small: one page of each pool plus the dummy page plus the step's transients "
+            f"needs {need} bytes ({need / GIB:.4f} GiB) = 2 * page_size={page_size} * "
+            f"(target_cell={target_cell} + draft_cell={draft_cell}) at attn_tp_size="
+            f"{state.attn_tp_size} + transients={transient_bytes}; raise {_budget_flag()}"
+            f"{_transient_hint(transient_bytes)}"
         )
-    pages = budget_bytes // cell // page_size - 1  # minus the dummy page
+    pages = (budget_bytes - transient_bytes) // cell // page_size - 1  # minus the dummy page
     tokens = pages * page_size
     return MemoryPlan(
         budget_bytes=int(budget_bytes),
@@ -198,7 +236,15 @@ def plan_memory(
         tp_rank=state.tp_rank,
         attn_tp_rank=state.attn_tp_rank,
         attn_dp_rank=state.attn_dp_rank,
+        transient_bytes=int(transient_bytes),
+        budget_rule=budget_rule,
     )
+
+
+def _transient_hint(transient_bytes: int) -> str:
+    if not transient_bytes:
+        return ""
+    return " or lower --max-running-requests / --chunked-prefill-size (they size the transients)"
 
 
 def _cap(tokens: int, cap: int | None, page_size: int) -> int:
@@ -232,10 +278,23 @@ def configure_memory(
     draft: KVGeometry | None,
     device,
     free_before_load: int | None = None,
+    step: StepShape | None = None,
+    request_rows: int | None = None,
 ) -> MemoryPlan:
-    """Budget -> plan -> agreement across ranks; what the engine calls after loading."""
-    budget = rank_budget(cfg, device, free_before_load)
-    plan = plan_memory(budget, target, draft, cfg.page_size, cfg.max_total_tokens)
+    """Budget -> plan -> agreement across ranks; what the engine calls after loading.
+
+    step: the largest step (its transients are reserved); request_rows: the KV rows one
+    request can ever hold (context limit + one round), which a CPU default sizes to.
+    """
+    transients = price_step(step).total if step is not None else 0
+    need = None
+    if request_rows is not None:
+        cell = target.cell_bytes() + (draft.cell_bytes() if draft is not None else 0)
+        need = run_need_bytes(cell, cfg.page_size, cfg.max_running_requests, request_rows,
+                              transients)
+    budget, rule = rank_budget(cfg, device, free_before_load, need)
+    plan = plan_memory(budget, target, draft, cfg.page_size, cfg.max_total_tokens,
+                       transients, rule)
     return agree_across_ranks(plan)
 
 
@@ -264,8 +323,38 @@ def _plan_heads(label: str, plan: MemoryPlan) -> int:
     return plan.target_kv_heads_per_rank if label == "target" else plan.draft_kv_heads_per_rank
 
 
-def self_check(plan: MemoryPlan, target_pool, draft_pool=None) -> None:
-    """Measured bytes per token (real buffers) must equal the priced cell, pool by pool."""
+def model_kv_writes(model) -> list[tuple[int, int, int]]:
+    """(local KV heads, k head_dim, v head_dim) per attention layer, in layer order, read
+    from the model's own attention modules: what its forward will store into the pool."""
+    return [(m.qkv_proj.kv_heads, m.head_dim, m.head_dim)
+            for m in model.modules() if hasattr(m, "qkv_proj") and hasattr(m, "head_dim")]
+
+
+def check_model_writes(label: str, pool, model) -> None:
+    """The pool's per-layer buffers must be exactly what the model writes: its attention
+    layers' own local KV-head count and head dims (not a second copy of the pricing)."""
+    writes = model_kv_writes(model)
+    holds = [(k.shape[1], k.shape[2], v.shape[2]) for k, v in zip(pool.k, pool.v)]
+    if writes == holds and model.dtype == pool.geometry.dtype:
+        return
+    bad = next((i for i, (w, h) in enumerate(zip(writes, holds)) if w != h), None)
+    where = (f"layer {bad}: the model writes (kv_heads, head_dim, v_head_dim)={writes[bad]}, "
+             f"the pool holds {holds[bad]}" if bad is not None else
+             f"the model has {len(writes)} attention layers, the pool {len(holds)}; dtypes "
+             f"model {model.dtype} vs pool {pool.geometry.dtype}")
+    raise PoolPricingError(
+        f"{label} KV pool does not match what the {label} model writes into it: {where} "
+        f"(attn_tp_size={get_parallel().attn_tp_size})")
+
+
+def self_check(plan: MemoryPlan, target_pool, draft_pool=None, target_model=None,
+               draft_model=None) -> None:
+    """Measured bytes per token (real buffers) must equal the priced cell, pool by pool, and
+    each pool's layers must be what its model's attention writes (when the models are given)."""
+    if target_model is not None:
+        check_model_writes("target", target_pool, target_model)
+    if draft_model is not None and draft_pool is not None:
+        check_model_writes("draft", draft_pool, draft_model)
     _check_pool("target", target_pool, plan.target_cell, plan)
     if draft_pool is None:
         if plan.draft_cell:

@@ -25,10 +25,14 @@ def build_kv_memory(
     max_requests: int,
     max_context_len: int,
     device,
+    target_model=None,
+    draft_model=None,
 ) -> KVMemory:
+    """Space + pools for a plan. The models, when given, are what the self-check compares
+    each pool with (their attention layers' own KV-head counts)."""
     space = KVSpace(plan.max_total_tokens, plan.page_size, max_requests, max_context_len, device)
     target_pool = KVPool(target, space.num_rows, device)
     draft_pool = KVPool(draft, space.num_rows, device) if draft is not None else None
     # Fail at startup, naming the term, rather than OOM mid-run.
-    self_check(plan, target_pool, draft_pool)
+    self_check(plan, target_pool, draft_pool, target_model, draft_model)
     return KVMemory(plan, space, target_pool, draft_pool)

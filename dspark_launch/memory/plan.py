@@ -1,22 +1,39 @@
 """`--plan`: the per-rank memory plan for any topology, from config.json files alone.
 
 Nothing launches and nothing is allocated: each rank's live state is published with
-override_parallel(tp, attn_dp, tp_rank=r) and priced through the same plan_memory() the
-engine uses, so the plan cannot drift from what a real launch would allocate.
+override_parallel(tp, attn_dp, tp_rank=r) and priced through the same plan_memory() and
+price_step() the engine uses, and its weights are summed over the models' own parameters
+built on the meta device, so the plan cannot drift from what a real launch would allocate.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from dspark_launch.errors import ConfigError
-from dspark_launch.memory.budget import GIB, MemoryPlan, measure_free_bytes, plan_memory
-from dspark_launch.memory.geometry import KVGeometry, dtype_from_name, geometry_from_config
+from dspark_launch.memory.budget import (
+    GIB,
+    MemoryPlan,
+    measure_free_bytes,
+    plan_memory,
+    run_need_bytes,
+)
+from dspark_launch.memory.geometry import KVGeometry, dtype_from_name
+from dspark_launch.memory.transients import (
+    StepShape,
+    Transients,
+    price_step,
+    round_shape,
+    step_shape,
+)
+from dspark_launch.memory.weights import WeightBytes, weights_per_rank
 from dspark_launch.parallel import override_parallel
 
+BLOCK_DRAFTERS = ("DFLASH", "DSPARK")
 TINY = Path(__file__).resolve().parent.parent / "assets" / "tiny"
 
 
@@ -56,54 +73,130 @@ def _on_cuda(cfg) -> bool:
     return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
 
 
-def plan_budget(cfg, dirs: list[Path]) -> tuple[int, str]:
-    """The per-rank budget the plan prices, and where it came from."""
+def plan_budget(cfg, weight_bytes: int, need_bytes: int) -> tuple[int, str]:
+    """The per-rank budget the plan prices, and the rule that set it.
+
+    weight_bytes: the largest rank's weights; need_bytes: what the run can use (the CPU
+    default's size, run_need_bytes).
+    """
     if cfg.kv_cache_memory is not None:
         return cfg.kv_cache_memory, "--kv-cache-memory"
     if not _on_cuda(cfg):
-        raise ConfigError(
-            "--plan on CPU needs --kv-cache-memory (the per-rank KV budget, e.g. 8GiB): "
-            "without launching, this machine's RAM says nothing about the target's"
-        )
-    # Estimate: free now * fraction minus this rank's share of the weight files (sizes
-    # only; nothing is read). A real launch measures around loading instead.
-    weights = sum(f.stat().st_size for d in dirs for f in d.glob("*.safetensors"))
+        # The target machine's RAM is unknown here; a launch caps this by its RAM share.
+        return need_bytes, ("fit: max running requests x context, both pools + transients "
+                            "(a CPU launch caps it by its RAM share)")
+    # Estimate: free now * fraction minus this rank's weights (built on meta, nothing is
+    # read). A real launch measures around loading instead.
     free = measure_free_bytes(torch.device("cuda", 0))
-    budget = int(free * cfg.mem_fraction_static - weights / cfg.tp_size)
+    budget = int(free * cfg.mem_fraction_static - weight_bytes)
     return budget, (
         f"estimate: free {free / GIB:.2f} GiB * --mem-fraction-static "
-        f"{cfg.mem_fraction_static} - weights {weights / GIB:.2f} GiB / tp {cfg.tp_size}"
+        f"{cfg.mem_fraction_static} - weights/rank {weight_bytes / GIB:.2f} GiB"
     )
 
 
-def per_rank_plans(
-    cfg, budget: int, target: KVGeometry, draft: KVGeometry | None
-) -> list[MemoryPlan]:
-    plans = []
+@dataclass(frozen=True)
+class Models:
+    """What --plan knows of the run: configs, dtypes, algorithm, block size."""
+
+    target_dir: Path
+    draft_dir: Path | None
+    target: object  # ModelConfig
+    draft: object | None  # DraftConfig, None without a block drafter
+    target_dtype: torch.dtype
+    draft_dtype: torch.dtype | None
+    algorithm: str
+    block_size: int
+
+
+def read_models(cfg) -> Models:
+    """Parse the configs as a launch would (models/ parsers; imported lazily: --plan is the
+    one part of memory/ that reads model configs)."""
+    from dspark_launch.models.config import ModelConfig
+    from dspark_launch.models.draft_config import DraftConfig, validate_against_target
+    from dspark_launch.spec.factory import NGRAM_BLOCK
+
+    target_dir, draft_dir = checkpoint_dirs(cfg)
+    raw_target = read_config(target_dir, "target")
+    target = ModelConfig.from_dict(raw_target, source=str(target_dir / "config.json"))
+    draft, draft_dtype, block = None, None, cfg.block_size or NGRAM_BLOCK
+    algorithm = cfg.speculative_algorithm
+    if draft_dir is not None:
+        raw_draft = read_config(draft_dir, "draft")
+        parsed = DraftConfig.from_dict(raw_draft, source=str(draft_dir / "config.json"))
+        algorithm = algorithm or parsed.kind
+        if algorithm in BLOCK_DRAFTERS and algorithm != parsed.kind:
+            raise ConfigError(f"--speculative-algorithm {algorithm} but --draft={draft_dir} "
+                              f"is a {parsed.kind} checkpoint")
+        if algorithm == parsed.kind:  # NONE / NGRAM build no draft, so price none
+            validate_against_target(parsed, target)
+            draft, draft_dtype = parsed, config_dtype(cfg.dtype, raw_draft, "draft")
+            block = cfg.block_size or parsed.block_size
+    if algorithm in BLOCK_DRAFTERS and draft is None:
+        raise ConfigError(f"--speculative-algorithm {algorithm} needs --draft (a {algorithm} "
+                          f"checkpoint directory)")
+    return Models(target_dir, draft_dir if draft else None, target, draft,
+                  config_dtype(cfg.dtype, raw_target, "target"), draft_dtype,
+                  algorithm or "NONE", block)
+
+
+def _geometries(m: Models) -> tuple[KVGeometry, KVGeometry | None]:
+    t = m.target
+    target = KVGeometry("target", t.num_hidden_layers, t.num_key_value_heads, t.head_dim,
+                        t.head_dim, m.target_dtype)
+    if m.draft is None:
+        return target, None
+    d = m.draft
+    return target, KVGeometry("draft", d.num_hidden_layers, d.num_key_value_heads, d.head_dim,
+                              d.head_dim, m.draft_dtype)
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    plan: MemoryPlan
+    weights: WeightBytes
+    transients: Transients
+
+    def to_dict(self) -> dict:
+        return {**self.plan.to_dict(), "weights": self.weights.to_dict(),
+                "weights_gib": round(self.weights.total / GIB, 4),
+                "transients": self.transients.to_dict()}
+
+
+def per_rank_plans(cfg, m: Models) -> tuple[list[RankPlan], StepShape, str]:
+    """Every rank priced under its own published state, as a launch would price it."""
+    target, draft = _geometries(m)
+    max_drafts, block_rows = round_shape(m.algorithm, m.block_size)
+    limit = cfg.context_length or m.target.max_position_embeddings
+    request_rows = limit + max(1 + max_drafts, block_rows)
+    parts = []
     for rank in range(cfg.tp_size):
         with override_parallel(cfg.tp_size, cfg.attn_dp_size, tp_rank=rank):
-            plans.append(
-                plan_memory(budget, target, draft, cfg.page_size, cfg.max_total_tokens)
-            )
-    return plans
+            shape = step_shape(cfg, m.target, m.target_dtype, max_drafts, block_rows, m.draft)
+            weights = weights_per_rank(m.target, m.target_dtype, m.draft, m.draft_dtype,
+                                       cfg.tp_size, cfg.attn_dp_size, rank)
+            cell = target.cell_bytes() + (draft.cell_bytes() if draft else 0)
+            trans = price_step(shape)
+            need = run_need_bytes(cell, cfg.page_size, cfg.max_running_requests,
+                                  request_rows, trans.total)
+            parts.append((shape, weights, trans, need))
+    budget, rule = plan_budget(cfg, max(w.total for _, w, _, _ in parts),
+                               max(n for *_, n in parts))
+    plans = []
+    for rank, (_shape, weights, trans, _need) in enumerate(parts):
+        with override_parallel(cfg.tp_size, cfg.attn_dp_size, tp_rank=rank):
+            plan = plan_memory(budget, target, draft, cfg.page_size, cfg.max_total_tokens,
+                               trans.total, rule)
+        plans.append(RankPlan(plan, weights, trans))
+    return plans, parts[0][0], rule
 
 
 def build_report(cfg) -> dict:
-    target_dir, draft_dir = checkpoint_dirs(cfg)
-    target_cfg = read_config(target_dir, "target")
-    target = geometry_from_config(
-        "target", target_cfg, config_dtype(cfg.dtype, target_cfg, "target")
-    )
-    draft = None
-    if draft_dir is not None:
-        draft_cfg = read_config(draft_dir, "draft")
-        draft = geometry_from_config(
-            "draft", draft_cfg, config_dtype(cfg.dtype, draft_cfg, "draft")
-        )
-    dirs = [target_dir] + ([draft_dir] if draft_dir else [])
-    budget, source = plan_budget(cfg, dirs)
-    plans = per_rank_plans(cfg, budget, target, draft)
-    agreed = min(p.max_total_tokens for p in plans)  # what the MIN all-reduce would give
+    m = read_models(cfg)
+    target, draft = _geometries(m)
+    ranks, shape, rule = per_rank_plans(cfg, m)
+    budget = ranks[0].plan.budget_bytes
+    agreed = min(r.plan.max_total_tokens for r in ranks)  # what the MIN all-reduce would give
     return {
         "tp_size": cfg.tp_size,
         "attn_dp_size": cfg.attn_dp_size,
@@ -111,11 +204,15 @@ def build_report(cfg) -> dict:
         "page_size": cfg.page_size,
         "max_total_tokens_cap": cfg.max_total_tokens,
         "budget_bytes": budget,
-        "budget_source": source,
-        "target": _geometry_dict(target, target_dir),
-        "draft": _geometry_dict(draft, draft_dir) if draft else None,
+        "budget_source": rule,
+        "algorithm": m.algorithm,
+        "block_size": m.block_size,
+        "target": _geometry_dict(target, m.target_dir),
+        "draft": _geometry_dict(draft, m.draft_dir) if draft else None,
+        "step": {**shape.to_dict(), "forward_rows": shape.forward_rows,
+                 "logit_rows": shape.logit_rows},
         "max_total_tokens": agreed,
-        "ranks": [p.to_dict() for p in plans],
+        "ranks": [r.to_dict() for r in ranks],
     }
 
 
@@ -131,7 +228,7 @@ def _geometry_dict(g: KVGeometry, directory: Path) -> dict:
 
 
 def format_table(report: dict) -> str:
-    t, d = report["target"], report["draft"]
+    t, d, ranks = report["target"], report["draft"], report["ranks"]
     lines = [
         f"memory plan: tp={report['tp_size']} attn_tp={report['attn_tp_size']} "
         f"attn_dp={report['attn_dp_size']} page_size={report['page_size']} "
@@ -139,26 +236,68 @@ def format_table(report: dict) -> str:
         f"{report['budget_source']})",
         _geometry_line("target", t),
         _geometry_line("draft", d) if d else "draft : none",
+        _weights_line(ranks),
+        *_transients_lines(report),
     ]
     header = (
         f"{'rank':>4} {'dp_rk':>5} {'tp_rk':>5} {'tgt_kvh':>7} {'drf_kvh':>7} "
         f"{'tgt_cell':>9} {'drf_cell':>9} {'tokens':>10} {'tgt_GiB':>8} {'drf_GiB':>8} "
-        f"{'budget_GiB':>10}"
+        f"{'trans_GiB':>9} {'budget_GiB':>10} {'wts_GiB':>8}"
     )
     lines += [header, "-" * len(header)]
-    for r in report["ranks"]:
+    for r in ranks:
         lines.append(
             f"{r['tp_rank']:>4} {r['attn_dp_rank']:>5} {r['attn_tp_rank']:>5} "
             f"{r['target_kv_heads_per_rank']:>7} {r['draft_kv_heads_per_rank']:>7} "
             f"{r['target_cell']:>9} {r['draft_cell']:>9} {r['max_total_tokens']:>10} "
-            f"{r['target_pool_gib']:>8.3f} {r['draft_pool_gib']:>8.3f} {r['budget_gib']:>10.3f}"
+            f"{r['target_pool_gib']:>8.3f} {r['draft_pool_gib']:>8.3f} "
+            f"{r['transient_gib']:>9.3f} {r['budget_gib']:>10.3f} {r['weights_gib']:>8.3f}"
         )
     lines.append(
         f"max_total_tokens (MIN over ranks) = {report['max_total_tokens']}; "
         f"cell = kv_heads_per_rank * (head_dim + v_head_dim) * layers * itemsize; "
-        f"pools hold max_total_tokens + page_size rows (page 0 is the padding dummy)"
+        f"pools hold max_total_tokens + page_size rows (page 0 is the padding dummy) in "
+        f"budget - transients; weights are not in the KV budget"
     )
     return "\n".join(lines)
+
+
+def _weights_line(ranks: list[dict]) -> str:
+    w = ranks[0]["weights"]
+    same = all(r["weights"] == w for r in ranks)
+    return (
+        f"weights/rank: target {w['target']} B + draft {w['draft']} B = {w['total']} B "
+        f"({w['total'] / GIB:.3f} GiB){' on every rank' if same else ' on rank 0 (see wts_GiB)'}"
+        f"; the models' own parameters built on meta at this topology"
+    )
+
+
+def _transients_lines(report: dict) -> list[str]:
+    s = report["step"]
+    lines = [
+        f"step: {report['algorithm']} block {report['block_size']}: R={s['max_running']} x "
+        f"{s['verify_rows']} verify rows (or a {s['chunk_rows']}-row prefill chunk) = "
+        f"{s['forward_rows']} forward rows, {s['logit_rows']} logit rows, "
+        f"{s['max_running'] * s['draft_slots']} draft distributions"
+    ]
+    seen: dict[str, list[int]] = {}
+    for r in report["ranks"]:
+        x = r["transients"]
+        key = (
+            f"{x['total']} B ({x['total'] / GIB:.3f} GiB) = max(propose: draft {x['draft']}, "
+            f"verify: draft_q {x['draft_q']} + features {x['features']} + max(attention "
+            f"{x['attention']} + mlp {x['mlp']} + split_k {x['split_k']}, verify_logits "
+            f"{x['verify_logits']} + sampler {x['sampler']}))"
+        )
+        seen.setdefault(key, []).append(r["tp_rank"])
+    for key, ranks in seen.items():
+        who = "every rank" if len(seen) == 1 else f"ranks {_span(ranks)}"
+        lines.append(f"transients/rank ({who}): {key}")
+    return lines
+
+
+def _span(ranks: list[int]) -> str:
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
 
 
 def _geometry_line(role: str, g: dict) -> str:

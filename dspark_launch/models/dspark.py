@@ -8,8 +8,13 @@ Differences from DFlash (models.md §3):
 - c_k = sigmoid(w . [h_k ; W1[x_{k-1}]] + b) estimates whether slot k will be accepted.
 
 The checkpoint's own `embed_tokens` / `lm_head` are frozen copies of the target's: the loader
-checks their shapes and drops them, and the engine embeds and computes U_k with the TARGET's
-(vocab-parallel) modules, as llama.cpp and tokenspeed do. That saves 2*V*d per rank.
+checks that they equal the loaded target's (draft_loader.check_target_copies) and drops them,
+and the engine embeds and computes U_k with the TARGET's (vocab-parallel) modules, as
+llama.cpp and tokenspeed do. That saves 2*V*d per rank.
+
+The Markov head is walked one slot at a time through `markov_state` / `markov_step` (the
+rnn head carries a state across the slots of one block); `sample_block` is the plain loop
+over them.
 """
 
 from __future__ import annotations
@@ -147,7 +152,9 @@ class DSparkDraft(DFlashDraft):
         prev [N] int64 (x_{k-1}; the anchor at k = 0), hidden [N, d] (h_k, final-normed),
         state from markov_state / the previous step -> (bias [N, V'] fp32, next state).
         vocab: a contiguous slice of ids (e.g. one rank's vocab shard): only those columns
-        are computed. Without a Markov head the bias is 0.
+        are computed. It is not padded past V: pass the ids a rank owns
+        (slice(start, start + owned)), not its padded shard. Without a Markov head the bias
+        is 0.
         """
         if self.markov_head is None:
             cols = self.config.vocab_size if vocab is None else \

@@ -78,7 +78,7 @@ def make_proposer(cfg, algorithm: str, draft_path: str | None, target, device,
     if algorithm in ("DFLASH", "DSPARK"):
         from dspark_launch.models.draft_loader import load_draft
 
-        draft = load_draft(draft_path, target.config, dtype, device)
+        draft = load_draft(draft_path, target.config, dtype, device, target_model=target)
         block = cfg.block_size or draft.config.block_size
     if algorithm == "DFLASH" and block < 2:
         raise ConfigError(f"--block-size={block}: DFLASH needs >= 2 (slot 0 is the anchor)")

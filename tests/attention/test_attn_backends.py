@@ -1,5 +1,6 @@
 """Both backends against the fp32 reference through the public backend API."""
 
+import importlib
 import math
 
 import pytest
@@ -107,3 +108,17 @@ def test_triton_backend_requires_interpreter_on_cpu(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="dspark_launch"):
         make_backend("triton", torch.device("cpu"))
     assert sum("slow" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("mode", ["causal", "none"])  # a verify block, a draft block
+def test_triton_backend_short_blocks_take_split_k(monkeypatch, mode):
+    # With an H200's SM count the heuristic splits a 9-row block at ~1k context; the
+    # interpreter then runs the split-K path that a GPU would, through the backend API.
+    lse_merge = importlib.import_module("dspark_launch.kernels.lse_merge")
+    monkeypatch.setattr(lse_merge, "sm_count", lambda device: 132)
+    meta, data = make_batch([1100, 300], [9, 9], 16, 4, 1, 64, 64, torch.float32, 13, mode)
+    out, kc, vc = _run("triton", meta, data, 0.125)
+    assert meta.backend_state["triton"].num_splits == 5  # ceil(1109 / 256), closed form
+    ref, _, _ = _reference(meta, data, 0.125)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+    torch.testing.assert_close(out, _run("torch", meta, data, 0.125)[0], **TOL[torch.float32])

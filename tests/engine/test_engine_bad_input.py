@@ -57,6 +57,50 @@ def test_malformed_jsonl_line_is_named(tiny, tmp_path, capsys):
     assert_one_line_error(err, "line 2", "'prompt'", "'input_ids'")
 
 
+def test_jsonl_name_means_jsonl(tiny, tmp_path, capsys):
+    """A *.jsonl file whose first line is not JSON is refused by line number, never read as
+    plain text; the same lines in a file of another name are plain-text prompts."""
+    from dspark_launch.engine.inputs import read_prompt_file
+
+    lines = "def f(x):\n{\"prompt\": \"a\"}\n"
+    p = tmp_path / "p.jsonl"
+    p.write_text(lines)
+    rc, err = run_main([*model_args(tiny, "NONE"), "--prompts", str(p), *AMPLE], capsys)
+    assert rc == 2
+    assert_one_line_error(err, f"--prompts={p} line 1", "not valid JSON")
+    txt = tmp_path / "p.txt"
+    txt.write_text(lines)
+    assert [r["prompt"] for r in read_prompt_file(str(txt))] == ["def f(x):", '{"prompt": "a"}']
+    p.write_text('\n{"prompt": "a"}\nnot json\n')  # blank lines keep their numbers
+    with pytest.raises(Exception, match="line 3: not valid JSON"):
+        read_prompt_file(str(p))
+
+
+def test_block_larger_than_the_context_is_refused(tiny, tmp_path, capsys):
+    """Refused at load, naming the block and the context limit (the tiny target has 512
+    positions), instead of drafting 100k mask tokens per step."""
+    p = write_prompts(tmp_path / "p.jsonl", [{"input_ids": [3, 4]}])
+    argv = [*model_args(tiny, "DFLASH", 100000, tiny.dflash(4)), "--prompts", str(p), *AMPLE]
+    rc, err = run_main(argv, capsys)
+    assert rc == 2
+    assert_one_line_error(err, "--block-size=100000", "context limit of 512 tokens",
+                          "max_position_embeddings")
+    rc, err = run_main([*argv[:-len(AMPLE)], "--block-size", "65", "--context-length", "64",
+                        *AMPLE], capsys)
+    assert rc == 2
+    assert_one_line_error(err, "--block-size=65", "context limit of 64 tokens (--context-length)")
+
+
+def test_block_larger_than_trained_warns_once_and_runs(tiny, tmp_path, capsys):
+    p = write_prompts(tmp_path / "p.jsonl", [{"input_ids": [3, 4]}, {"input_ids": [5, 6]}])
+    rc, err = run_main([*model_args(tiny, "DFLASH", 8, tiny.dflash(4)), "--prompts", str(p),
+                        "--max-new-tokens", "4", *AMPLE], capsys)
+    assert rc == 0, err
+    warnings = [x for x in err.splitlines() if "trained block size" in x]
+    assert warnings == ["WARNING --block-size=8 is larger than the draft's trained block size "
+                        "4: slots past 4 were never trained and will rarely be accepted"]
+
+
 @pytest.mark.parametrize("where", ["flag", "line"])
 def test_max_new_tokens_not_positive(tiny, tmp_path, capsys, where):
     p = write_prompts(tmp_path / "p.jsonl", [{"input_ids": [3, 4]},

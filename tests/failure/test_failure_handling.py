@@ -143,6 +143,11 @@ def test_resume_after_interrupt_equals_an_uninterrupted_run(job: dict, reference
     assert proc.returncode == 130
     partial = _records(out)
     assert 0 < len(partial) < 32
+    # A resume killed between writing its temp file and renaming it: nothing finished is lost.
+    rc, err, _ = _run([sys.executable, "-m", "dspark_launch", *job["flags"], "--output",
+                       str(out), "--resume"], {**ENV, "DSPARK_FAULT": "0:rewrite-written:kill"})
+    assert rc == -signal.SIGKILL, err[-2000:]
+    assert _records(out) == partial
     rc, err, _ = _run([sys.executable, "-m", "dspark_launch", *job["flags"], "--output",
                        str(out), "--resume"])
     assert rc == 0, err[-2000:]
@@ -160,3 +165,42 @@ def test_torchrun_max_restarts_resumes_from_the_output(job: dict, reference: dic
     assert rc == 0, err[-3000:]
     assert "rank(s) [1] of 2 stopped answering during step 40" in err  # the first attempt
     assert _records(out) == reference
+
+
+def test_sigterm_while_loading_exits_143_within_seconds(job: dict) -> None:
+    """Rank 0 is still loading weights (DSPARK_FAULT hangs it there; rank 1 waits for it in a
+    collective): SIGTERM ends the job with 143 in seconds and leaves no rank behind."""
+    log = job["root"] / "load.err"
+    with open(log, "w") as err_file:
+        proc = subprocess.Popen(LAUNCH + job["flags"], stdout=subprocess.DEVNULL,
+                                stderr=err_file, text=True,
+                                env={**ENV, "DSPARK_FAULT": "0:load:hang"})
+        deadline = time.monotonic() + 90
+        while len(_pids(log.read_text())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)  # LAYOUT lines: every rank is up and about to load
+        pids = _pids(log.read_text())
+        assert len(pids) == 2, log.read_text()[-2000:]
+        time.sleep(1.0)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        wall = time.monotonic() - start
+    err = log.read_text()
+    assert proc.returncode == 143, err[-2000:]
+    assert wall < 15, f"took {wall:.1f}s"
+    assert "interrupted by SIGTERM; stopped during loading, before any request ran" in err
+    assert "Traceback" not in err
+    assert not [p for p in pids if _alive(p)]
+
+
+def test_config_error_on_rank_2_of_4_reaches_the_user(job: dict) -> None:
+    """A budget error on rank 2 only: its own message, once, and exit 2 for the job."""
+    cmd = LAUNCH[:3] + ["--nproc-per-node", "4"] + LAUNCH[5:]
+    rc, err, wall = _run(cmd + job["flags"] + ["--dist-timeout", "120"],
+                         {**ENV, "DSPARK_FAULT": "2:budget:config"})
+    assert rc == 2, err[-3000:]
+    assert wall < 60
+    assert _errors(err) == ["dspark_launch: error: on rank(s) [2]: fault injected on rank 2 by "
+                            "DSPARK_FAULT=2:budget:config"]
+    assert "stopped answering" not in err
+    assert not [p for p in _pids(err) if _alive(p)]

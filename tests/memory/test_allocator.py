@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from dspark_launch.memory.allocator import KVSpace, PageAllocator
+from dspark_launch.memory.allocator import KVSpace, PageAllocator, Reserve
 
 
 class AllocatorMachine(RuleBasedStateMachine):
@@ -120,8 +120,10 @@ class SpaceMachine(RuleBasedStateMachine):
         free_before = self.space.allocator.num_free_pages
         need = self.space.pages_needed(slot, new_len)
         can = self.space.can_reserve(slot, new_len)
-        ok = self.space.reserve(slot, new_len)
+        answer = self.space.reserve(slot, new_len)
+        ok = bool(answer)
         assert ok == can == (need <= free_before)
+        assert answer is (Reserve.OK if ok else Reserve.NO_PAGES)  # new_len fits the context
         if not ok:  # all or nothing
             assert torch.equal(before, self.space.req_to_token[slot])
             assert self.space.allocator.num_free_pages == free_before
@@ -202,3 +204,19 @@ def test_reserve_is_all_or_nothing_when_pages_run_out() -> None:
     assert not space.can_reserve(a, 100) and not space.reserve(a, 100)
     assert space.reserved_len(a) == 20 and space.allocator.num_free_pages == 2
     assert int(space.req_to_token[a, 20:].abs().sum()) == 0
+
+
+def test_reserve_says_why_it_refused() -> None:
+    """Out of pages (temporary) and longer than the context (permanent) are different answers;
+    neither changes what the slot holds."""
+    space = KVSpace(max_total_tokens=32, page_size=4, max_requests=2, max_context_len=24,
+                    device="cpu")
+    a, b = space.new_slot(), space.new_slot()
+    assert space.reserve(a, 20) is Reserve.OK
+    assert space.reserve(b, 16) is Reserve.NO_PAGES  # 2 pages left, 4 needed
+    assert space.reserve(a, 25) is Reserve.TOO_LONG  # even though nothing else would be needed
+    assert space.reserve(b, 12) is Reserve.OK
+    assert space.reserve(a, 24) is Reserve.NO_PAGES  # within the context, but no page left
+    assert (space.reserved_len(a), space.reserved_len(b)) == (20, 12)
+    assert space.allocator.num_free_pages == 0
+    assert not Reserve.NO_PAGES and not Reserve.TOO_LONG and Reserve.OK

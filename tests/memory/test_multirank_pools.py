@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from multirank import run_world
@@ -85,3 +87,48 @@ def test_pools_on_every_rank_agree_and_self_check(attn_dp: int) -> None:
             assert "draft KV pool" in msg and f"attn_tp_size={attn_tp}" in msg
             assert f"priced {1 * 24 * 2} bytes/token" in msg
             assert f"holds {cells[1]} bytes/token" in msg
+
+
+TINY = Path(__file__).resolve().parents[2] / "dspark_launch" / "assets" / "tiny"
+
+
+def _default_rank(rank: int) -> dict:
+    """No --kv-cache-memory: the CPU default sizes to the run; then one warm-up step at the
+    largest batch on the real models (its forward and logits are collectives)."""
+    from dspark_launch.attention import make_backend
+    from dspark_launch.engine.warmup import largest_batch_step
+    from dspark_launch.memory.transients import price_step, step_shape
+    from dspark_launch.models.loader import load_model
+    from dspark_launch.spec.factory import make_proposer
+
+    cfg = resolve_config(["--tp-size", "4", "--attn-dp-size", "2", "--device", "cpu",
+                          "--page-size", str(PAGE), "--max-running-requests", "2",
+                          "--chunked-prefill-size", "16"], world_size=4)
+    init_parallel_runtime(cfg)
+    target = load_model(TINY / "target", "float32", "cpu")
+    parts = make_proposer(cfg, "DSPARK", str(TINY / "dspark"), target, "cpu", "float32")
+    step = step_shape(cfg, target.config, torch.float32, parts.max_drafts, parts.block_rows,
+                      parts.draft)
+    geometry = KVGeometry("target", 8, 2, 32, 32, torch.float32)
+    plan = configure_memory(cfg, geometry, parts.geometry, "cpu", None, step, 30)
+    memory = build_kv_memory(plan, geometry, parts.geometry, 2, 30, "cpu", target, parts.draft)
+    proposer = parts.build(memory, make_backend("torch", "cpu"))
+    ran = largest_batch_step(target, proposer, memory, make_backend("torch", "cpu"), step)
+    return {"tokens": plan.max_total_tokens, "rule": plan.budget_rule,
+            "budget": plan.budget_bytes, "transients": plan.transient_bytes,
+            "priced": price_step(step).total, "cell": plan.cell, "ran": ran,
+            "full": memory.space.is_full()}
+
+
+def test_cpu_default_and_warmup_on_a_dp_attention_world() -> None:
+    results = run_world(4, _default_rank)
+    first = results[0]
+    # 2 requests x ceil(30 rows / page 4) pages, plus the dummy page, plus the transients.
+    assert first["tokens"] == 2 * 8 * PAGE
+    assert first["budget"] == (2 * 8 + 1) * PAGE * first["cell"] + first["transients"]
+    assert first["transients"] == first["priced"] > 0
+    for r in results:
+        # Equal but for the rule's note of each rank's RAM share (MemAvailable moves).
+        assert {**r, "rule": ""} == {**first, "rule": ""}, "ranks disagree"
+        assert r["rule"].startswith("fit: max running requests x context")
+        assert r["ran"] and r["full"]

@@ -1,0 +1,62 @@
+"""Every rank decides its ending from the same roll call: who speaks, what, which exit code.
+Expected lines and codes written out by hand for each mix of verdicts."""
+
+from __future__ import annotations
+
+import pytest
+
+from dspark_launch.failure import BROKEN, FAILED, conclude, config_verdict, progress, signal_verdict
+
+
+@pytest.fixture(autouse=True)
+def _loading():
+    before = (progress.phase, progress.step)
+    progress.phase, progress.step = "loading", 0
+    yield
+    progress.phase, progress.step = before
+
+
+def _all(answers: dict[int, str], world: int = 4) -> list[tuple[int, bool, str]]:
+    out = []
+    for rank in answers:
+        end = conclude(rank, world, answers, "noticed")
+        out.append((end.exit_code, end.speak, end.line))
+    return out
+
+
+def test_error_every_rank_shares_is_said_once_by_rank_0() -> None:
+    ends = _all({r: config_verdict("bad flag") for r in range(4)})
+    assert ends == [(2, True, "bad flag")] + [(2, False, "bad flag")] * 3
+
+
+def test_error_one_rank_sees_is_said_by_that_rank_in_its_words() -> None:
+    answers = {0: BROKEN, 1: BROKEN, 2: config_verdict("budget too small"), 3: BROKEN}
+    ends = _all(answers)
+    assert [e[0] for e in ends] == [2, 2, 2, 2]
+    assert [(e[1], e[2]) for e in ends if e[1]] == [(True, "on rank(s) [2]: budget too small")]
+
+
+def test_different_errors_are_each_said_by_their_lowest_rank() -> None:
+    answers = {0: BROKEN, 1: config_verdict("A"), 2: config_verdict("B"), 3: config_verdict("A")}
+    spoken = [e[2] for e in _all(answers) if e[1]]
+    assert spoken == ["on rank(s) [1, 3]: A", "on rank(s) [2]: B"]
+
+
+def test_a_signal_outranks_everything_and_rank_0_says_it() -> None:
+    answers = {0: BROKEN, 1: signal_verdict(15), 2: config_verdict("A"), 3: FAILED}
+    ends = _all(answers)
+    assert [e[0] for e in ends] == [143] * 4
+    assert [e[1] for e in ends] == [True, False, False, False]
+    assert ends[0][2] == "interrupted by SIGTERM; stopped during loading, before any request ran"
+
+
+def test_own_failure_is_followed_silently() -> None:
+    ends = _all({0: BROKEN, 1: FAILED, 3: BROKEN})
+    assert [(e[0], e[1]) for e in ends] == [(1, False)] * 3
+
+
+def test_dead_rank_is_named_by_the_lowest_survivor() -> None:
+    ends = _all({1: BROKEN, 3: BROKEN})
+    assert ends[0] == (1, True, "rank(s) [0, 2] of 4 stopped answering during loading "
+                                "(noticed by rank 1: noticed)")
+    assert ends[1][:2] == (1, False)
