@@ -4,6 +4,7 @@ finish_reason "context_length" and takes nothing from the others."""
 
 from __future__ import annotations
 
+from dspark_launch.engine.params import SamplingParams
 from dspark_launch.engine.request import Request, RequestSpec, Status
 from dspark_launch.engine.scheduler import Scheduler
 from dspark_launch.memory.allocator import KVSpace
@@ -13,7 +14,8 @@ def _decoding(n: int, prompt_len: int, rounds: int, pages: int, context: int
               ) -> tuple[Scheduler, list[Request]]:
     """n requests admitted, prefilled and holding their first token, as the engine leaves them."""
     space = KVSpace(pages, 1, max_requests=n, max_context_len=context, device="cpu")
-    reqs = [Request(RequestSpec(i, str(i), tuple(range(2, 2 + prompt_len)), 100, 0.0))
+    reqs = [Request(RequestSpec(i, str(i), tuple(range(2, 2 + prompt_len)),
+                                SamplingParams(max_tokens=100, temperature=0.0)), 0.0, i)
             for i in range(n)]
     sched = Scheduler(reqs, space, max_running=n, chunk_size=1000, round_rows=lambda r: rounds)
     plan = sched.schedule()
@@ -49,7 +51,8 @@ def test_round_past_the_context_ends_the_request_without_preempting() -> None:
 
 def test_prompt_longer_than_the_context_ends_at_admission() -> None:
     space = KVSpace(64, 1, max_requests=2, max_context_len=8, device="cpu")
-    long, short = (Request(RequestSpec(i, str(i), tuple(range(2, 2 + n)), 4, 0.0))
+    long, short = (Request(RequestSpec(i, str(i), tuple(range(2, 2 + n)),
+                                       SamplingParams(max_tokens=4, temperature=0.0)), 0.0, i)
                    for i, n in enumerate((9, 3)))
     sched = Scheduler([long, short], space, 2, 1000, round_rows=lambda r: 2)
     plan = sched.schedule()
