@@ -82,7 +82,9 @@ class ServeLoop:
         """Serve until a stop signal; returns the exit code (143 SIGTERM, 130 SIGINT)."""
         rank0 = get_parallel().rank == 0
         while True:
-            rows = all_gather_ints([_signals[0] if _signals else 0, int(self.phase)])
+            pages, running = local_load(self.engine)
+            rows = all_gather_ints([_signals[0] if _signals else 0, int(self.phase), pages,
+                                    running])
             signum = max(r[0] for r in rows)
             phase = Phase(rows[0][1])  # rank 0's decision binds every rank
             if phase is Phase.EXIT:
@@ -90,10 +92,10 @@ class ServeLoop:
             outputs = self.engine.step()
             self.steps += 1
             if rank0:
-                self._deliver(outputs)
+                self._deliver(outputs, rows)
                 self.phase = self._next_phase(phase, signum)
 
-    def _deliver(self, outputs) -> None:
+    def _deliver(self, outputs, rows: list[list[int]]) -> None:
         with self.bridge.lock:
             deltas = self.processor.process(outputs)
         for delta in deltas:
@@ -105,14 +107,17 @@ class ServeLoop:
                                           done.ttft_s, done.tpot_s, done.accept_lens)
             self.bridge.deliver(delta.rid, delta, done is not None)
         if self.metrics is not None:
-            self._update_gauges()
+            self._update_gauges(rows)
 
-    def _update_gauges(self) -> None:
-        stats = engine_stats(self.engine)
-        self.metrics.running.set(stats.get("running", 0))
+    def _update_gauges(self, rows: list[list[int]]) -> None:
+        """Summed over attn_dp groups: one row per group (its attn_tp rank 0), as of the
+        start of this step."""
+        leaders = rows[::get_parallel().attn_tp_size]
+        self.metrics.kv_pages_used.set(sum(r[2] for r in leaders))
+        self.metrics.running.set(sum(r[3] for r in leaders))
         self.metrics.waiting.set(self.bridge.queued)
-        self.metrics.kv_pages_used.set(stats.get("kv_pages_used", 0))
-        self.metrics.kv_pages_total.set(stats.get("kv_pages_total", 0))
+        allocator = self.engine.space.allocator
+        self.metrics.kv_pages_total.set(allocator.num_pages * len(leaders))
 
     def _next_phase(self, phase: Phase, signum: int) -> Phase:
         """Rank 0 only: the phase every rank follows from the next step on."""
@@ -135,9 +140,7 @@ class ServeLoop:
         return phase
 
 
-def engine_stats(engine) -> dict:
-    """Running requests and KV pages in use, from what this engine exposes."""
-    stats = getattr(engine, "stats", None)
-    if callable(stats):
-        return dict(stats())
-    return {}
+def local_load(engine) -> tuple[int, int]:
+    """(KV pages in use, running requests) in this rank's attn_dp group."""
+    allocator = engine.space.allocator
+    return allocator.num_pages - allocator.num_free_pages, len(engine.sched.running)

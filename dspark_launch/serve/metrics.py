@@ -23,11 +23,13 @@ class ServerMetrics:
         def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model)
 
-        self.running = gauge("dspark_num_requests_running", "requests holding a KV slot")
+        self.running = gauge("dspark_num_requests_running", "requests holding a request slot")
         self.waiting = gauge("dspark_num_requests_waiting",
                              "requests accepted but not yet running (queued or waiting for KV)")
-        self.kv_pages_used = gauge("dspark_kv_pages_used", "KV pages in use (rank 0's pool)")
-        self.kv_pages_total = gauge("dspark_kv_pages_total", "KV pages in rank 0's pool")
+        self.kv_pages_used = gauge("dspark_kv_pages_used",
+                                   "KV pages in use, summed over attn_dp groups")
+        self.kv_pages_total = gauge("dspark_kv_pages_total",
+                                    "KV pages, summed over attn_dp groups")
         self.prompt_tokens = counter("dspark_prompt_tokens", "prompt tokens of finished requests")
         self.generation_tokens = counter("dspark_generation_tokens", "tokens generated")
         self.requests = Counter("dspark_requests", "finished requests by finish reason",
