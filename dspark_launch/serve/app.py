@@ -37,7 +37,8 @@ def meta_info(out: CompletionOutput) -> p.MetaInfo:
     return p.MetaInfo(accept_lens=out.accept_lens, rounds=len(out.accept_lens),
                       mean_tau=out.mean_tau, prompt_tokens=len(out.prompt_token_ids),
                       completion_tokens=len(out.token_ids), preemptions=out.preemptions,
-                      ttft_s=out.ttft_s, stop_reason=out.stop_reason)
+                      ttft_s=out.ttft_s, stop_reason=out.stop_reason,
+                      output_token_ids=out.token_ids)
 
 
 def usage(outs: list[CompletionOutput]) -> p.Usage:

@@ -86,7 +86,7 @@ class MetaInfo(BaseModel):
     """Per-choice speculative statistics (SGLang calls its extra field `meta_info` too).
 
     accept_lens: tokens committed per verify round (accepted drafts + 1, cut at a stop);
-    mean_tau: their mean; rounds: their count."""
+    mean_tau: their mean; rounds: their count; output_token_ids: the completion's tokens."""
 
     accept_lens: list[int]
     rounds: int
@@ -96,6 +96,7 @@ class MetaInfo(BaseModel):
     preemptions: int = 0
     ttft_s: float | None = None
     stop_reason: str | int | None = None  # the stop string or token that ended the choice
+    output_token_ids: list[int] = []
 
 
 class Usage(BaseModel):

@@ -105,4 +105,5 @@ def serve(cfg) -> int:
                            "drained every request")
     logger.info("server stopped after %d steps; every KV page is free", loop.steps)
     engine.shutdown()
+    logger.info("leaving with exit code %d", code)
     return code
