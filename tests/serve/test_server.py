@@ -19,7 +19,7 @@ import openai
 import pytest
 import requests
 from chat_assets import with_template
-from conftest import MAX_TOKENS, POOL, heldout
+from references import MAX_TOKENS, POOL, heldout
 from server_proc import launch
 
 pytestmark = pytest.mark.slow
