@@ -36,6 +36,7 @@ class CompletionOutput:
     ttft_s: float | None = None
     tpot_s: float | None = None
     preemptions: int = 0
+    error: str | None = None  # why the engine refused the request (finish_reason "refused")
 
     @property
     def mean_tau(self) -> float | None:
@@ -117,8 +118,7 @@ class OutputProcessor:
                 stop_reason) -> CompletionDelta:
         del self._tracked[out.rid]
         accept = _cut_rounds(req.accept_lens, len(req.token_ids))
-        first, end = getattr(out, "first_token_at", None), getattr(out, "finished_at", None)
-        arrival = getattr(out, "arrival", None)
+        first, end, arrival = out.first_token_at, out.finished_at, out.arrival
         n = len(req.token_ids)
         result = CompletionOutput(
             rid=out.rid, index=out.index, prompt_token_ids=req.prompt_ids,
@@ -127,7 +127,7 @@ class OutputProcessor:
             ttft_s=(first - arrival) if first is not None and arrival is not None else None,
             tpot_s=(end - first) / (n - 1) if first is not None and end is not None and n > 1
             else None,
-            preemptions=getattr(out, "preemptions", 0))
+            preemptions=out.preemptions, error=getattr(out, "error", None))
         return CompletionDelta(out.rid, out.index, text, new_ids, result)
 
 

@@ -96,7 +96,13 @@ class Handlers:
             for rid, i in choice_of.items():
                 if i not in results:
                     self.bridge.abort(rid)
-        return JSONResponse(finish([results[i] for i in range(len(rids))]).model_dump())
+        if len(results) < len(rids):  # the client went away; nobody reads an answer
+            return Response(status_code=499)
+        outs = [results[i] for i in range(len(rids))]
+        refused = [o for o in outs if o.error is not None]
+        if refused:
+            raise bad_request(refused[0].error, "prompt")
+        return JSONResponse(finish(outs).model_dump())
 
     async def _stream(self, rids, sink, choice_of, render, finish) -> AsyncIterator[str]:
         open_ = set(rids)
