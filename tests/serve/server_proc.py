@@ -93,7 +93,7 @@ class Server:
         return rc
 
 
-def launch(args: list[str], nproc: int | None, log: Path) -> Server:
+def launch(args: list[str], nproc: int | None, log: Path, env: dict | None = None) -> Server:
     """nproc=None: `python -m dspark_launch serve` (a world of one); else torchrun through
     dspark_launch.launch (torch.distributed.run with the job's exit codes)."""
     port = free_port()
@@ -105,7 +105,8 @@ def launch(args: list[str], nproc: int | None, log: Path) -> Server:
     cmd += ["serve", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
             "--log-all-ranks", *args]
     out = open(log, "w")  # noqa: SIM115 - the child writes it for the server's lifetime
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT)
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**ENV, **(env or {})},
+                            cwd=ROOT)
     out.close()
     server = Server(proc, port, log)
     deadline = time.monotonic() + START_TIMEOUT_S
