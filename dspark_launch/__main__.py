@@ -89,7 +89,7 @@ def run(cfg: RunConfig) -> int:
         if cfg.serve:
             from dspark_launch.serve.server import serve
 
-            return serve(cfg)
+            return serve(cfg, engine_and_job_args(cfg)[0])
         from dspark_launch.engine.runner import run_job
 
         return run_job(*engine_and_job_args(cfg))

@@ -10,8 +10,8 @@ minus `decode(ids[prefix:read])`, without a trailing U+FFFD run (an unfinished c
 `finish()` flushes whatever is held, so the deltas always concatenate to
 `tokenizer.decode(all ids)`.
 
-StopStrings: the text is cut where the earliest stop string starts and the stop string is never
-emitted. While streaming, the last `len(longest stop) - 1` characters are held back, since they
+StopStrings: generation ends at the first token after which a stop string is in the text; the
+text is cut where the earliest-starting stop string present then starts, and is never emitted. While streaming, the last `len(longest stop) - 1` characters are held back, since they
 may be the start of a stop string that the next token completes.
 """
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import fields
 
 from dspark_launch.api import default_sampling
 from dspark_launch.comm import agreed
@@ -28,12 +27,6 @@ from dspark_launch.serve.requests import ModelInfo
 
 EMBEDDED_NAME = "dspark-tiny"
 START_TIMEOUT_S = 60.0
-
-
-def engine_args(cfg) -> EngineArgs:
-    """The RunConfig fields the engine takes (same names)."""
-    return EngineArgs(**{f.name: getattr(cfg, f.name) for f in fields(EngineArgs)
-                         if hasattr(cfg, f.name)})
 
 
 def model_info(cfg, engine) -> ModelInfo:
@@ -73,9 +66,10 @@ class HttpThread:
         self.thread.join(timeout=10)
 
 
-def serve(cfg) -> int:
+def serve(cfg, args: EngineArgs) -> int:
+    """`cfg`: the CLI's RunConfig (server flags); `args`: the engine's share of it."""
     state = get_parallel()
-    engine = build_engine(engine_args(cfg))
+    engine = build_engine(args)
     install_serve_signal_handlers()
     http = None
     try:

@@ -59,9 +59,16 @@ def test_finish_flushes_an_unfinished_character():
     assert deltas[-1].startswith(REPLACEMENT)
 
 
-def cut_oracle(text: str, stops: list[str]) -> str:
-    found = [i for i in (text.find(s) for s in stops) if i != -1]
-    return text[:min(found)] if found else text
+def first_stop(ids: list[int], stops: list[str]) -> tuple[str, int | None]:
+    """(text, tokens used): generation ends at the first token after which some stop string is
+    certainly in the text (in front of any unfinished character); the text is cut where the
+    earliest-starting stop string present then starts. No stop string: the whole text."""
+    for k in range(1, len(ids) + 1):
+        text = TOK.decode(ids[:k]).rstrip(REPLACEMENT)
+        found = [text.find(s) for s in stops if s in text]
+        if found:
+            return text[:min(found)], k
+    return TOK.decode(ids), None
 
 
 def run_stream(ids: list[int], stops: list[str]) -> tuple[str, str | None, int]:
@@ -78,24 +85,34 @@ def run_stream(ids: list[int], stops: list[str]) -> tuple[str, str | None, int]:
 
 
 @SETTINGS
+@given(TEXT, st.integers(0, 40), st.integers(1, 6))
+def test_one_stop_string_cuts_where_it_first_starts(text, start, length):
+    stop = text[start:start + length]
+    if not stop:
+        return
+    ids = TOK.encode(text).ids
+    full = TOK.decode(ids)
+    out, matched, _ = run_stream(ids, [stop])
+    assert out == full[:full.find(stop)] and matched == stop
+
+
+@SETTINGS
 @given(TEXT, st.lists(st.tuples(st.integers(0, 40), st.integers(1, 6)), min_size=1, max_size=3),
        st.lists(st.text(alphabet="xyé", min_size=1, max_size=3), max_size=2))
-def test_stop_strings_cut_where_the_earliest_starts(text, spans, absent):
+def test_several_stop_strings_end_at_the_first_that_appears(text, spans, absent):
     # Stops taken from the text itself (so they occur, often spanning several tokens) plus
     # some that may not occur at all.
     stops = [text[a:a + n] for a, n in spans if text[a:a + n]] + absent
     if not stops:
         return
     ids = TOK.encode(text).ids
-    full = TOK.decode(ids)
     out, matched, used = run_stream(ids, stops)
-    assert out == cut_oracle(full, stops)
-    if matched is not None:
-        assert full.find(matched) == len(out)
-        # The stream ends at the first token after which a stop string is certainly in the
-        # text (in front of any unfinished character).
-        assert used == min(k for k in range(1, len(ids) + 1)
-                           if any(s in TOK.decode(ids[:k]).rstrip(REPLACEMENT) for s in stops))
+    expected, k = first_stop(ids, stops)
+    assert out == expected
+    if k is None:
+        assert matched is None
+    else:
+        assert used == k and matched in stops
 
 
 def test_multi_token_stop_straddling_a_token_end():
