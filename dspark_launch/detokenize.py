@@ -11,8 +11,9 @@ minus `decode(ids[prefix:read])`, without a trailing U+FFFD run (an unfinished c
 `tokenizer.decode(all ids)`.
 
 StopStrings: generation ends at the first token after which a stop string is in the text; the
-text is cut where the earliest-starting stop string present then starts, and is never emitted. While streaming, the last `len(longest stop) - 1` characters are held back, since they
-may be the start of a stop string that the next token completes.
+text is cut where the earliest-starting stop string present then starts, and is never emitted.
+While streaming, the last `len(longest stop) - 1` characters are held back, since they may be
+the start of a stop string that the next token completes.
 """
 
 from __future__ import annotations
