@@ -82,6 +82,7 @@ class RequestBridge:
 
     @property
     def queued(self) -> int:
+        """Requests without a first token (call under `lock`)."""
         return sum(1 for s in self._streams.values() if not s.started)
 
     # ------------------------------------------------------------ step-loop side

@@ -115,7 +115,8 @@ class ServeLoop:
         leaders = rows[::get_parallel().attn_tp_size]
         self.metrics.kv_pages_used.set(sum(r[2] for r in leaders))
         self.metrics.running.set(sum(r[3] for r in leaders))
-        self.metrics.waiting.set(self.bridge.queued)
+        with self.bridge.lock:
+            self.metrics.waiting.set(self.bridge.queued)
         allocator = self.engine.space.allocator
         self.metrics.kv_pages_total.set(allocator.num_pages * len(leaders))
 
@@ -125,7 +126,8 @@ class ServeLoop:
         if phase is Phase.SERVE and signum:
             logger.info("%s: no new requests; %d in flight get up to %.0f s to finish",
                         signal.Signals(signum).name, len(self.processor), self.grace_s)
-            self.bridge.accepting = False
+            with self.bridge.lock:
+                self.bridge.accepting = False
             self.deadline = time.monotonic() + self.grace_s
             phase = Phase.DRAIN
         if phase is Phase.DRAIN and busy and time.monotonic() >= self.deadline:
