@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -193,7 +194,7 @@ def main() -> None:
         proc = None
         url = args.url
         if url is None:
-            log = Path(args.out).with_suffix(f".{algorithm}.log")
+            log = Path(tempfile.gettempdir()) / f"bench_serving_server_{algorithm}.log"
             proc, url = start_server(args, algorithm, log)
         try:
             run_rate(url, prompts[:2], 100.0, args)  # warm-up, not recorded

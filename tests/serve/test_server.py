@@ -87,6 +87,18 @@ def test_streamed_text_equals_the_non_streamed_text(client, offline):
             offline[prompt]["output_ids"])
 
 
+def test_a_batch_of_prompts_and_echo(client, offline):
+    prompts = heldout()[8:11]
+    answer = complete(client, prompts, echo=True)
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    for prompt, choice in zip(prompts, answer.choices):
+        assert choice.text == prompt + offline[prompt]["text"]
+    assert answer.usage.completion_tokens == sum(len(offline[p]["output_ids"]) for p in prompts)
+    ids = offline[prompts[0]]["output_ids"]
+    by_ids = client.completions.create(model=NAME, prompt=ids[:5], max_tokens=3, temperature=0)
+    assert by_ids.usage.prompt_tokens == 5
+
+
 def _stop_inside(text: str) -> str:
     """A stop string from the middle of the text that several tokens make up."""
     start = len(text) // 3
