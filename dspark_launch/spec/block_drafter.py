@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark_launch.attention import build_metadata
+from dspark_launch.attention import build_metadata, upload
 from dspark_launch.spec.dspark_sampler import walk_block
 from dspark_launch.spec.keyed import DRAFT, uniforms
 from dspark_launch.spec.proposer import Proposal, Proposer
@@ -45,8 +45,8 @@ class DFlashProposer(Proposer):
         meta = build_metadata(self.space.req_to_token, [r.slot for r in reqs],
                               [r.kv_len for r in reqs], [b] * len(reqs), "none",
                               device=device)
-        ids = torch.tensor([[r.anchor] + [self.mask_id] * (b - 1) for r in reqs],
-                           dtype=torch.int64).reshape(-1).to(device)
+        ids = upload([[r.anchor] + [self.mask_id] * (b - 1) for r in reqs], torch.int64,
+                     device).reshape(-1)
         h = self.draft.forward_block(self.target.embed(ids), meta, self.backend, self.pool)
         return h.reshape(len(reqs), b, -1)
 
@@ -81,7 +81,7 @@ class DSparkProposer(DFlashProposer):
 
     def propose(self, reqs: list, limits: list[int], rows: SamplingRows) -> Proposal:
         h = self._block_hidden(reqs)  # [R, B, d]
-        anchors = torch.tensor([q.anchor for q in reqs], dtype=torch.int64).to(h.device)
+        anchors = upload([q.anchor for q in reqs], torch.int64, h.device)
         tokens, q, conf = walk_block(self.draft, self.target.lm_head, h, anchors, rows)
         return Proposal(tokens, list(limits), q, confident_length(conf, self.threshold))
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark_launch.attention import upload
 from dspark_launch.spec.sampling import SamplingRows
 
 
@@ -25,7 +26,7 @@ class Proposal:
         """Host-made drafts (NGRAM, test drafters): one host->device copy."""
         k = max((len(t) for t in tokens), default=0)
         padded = [t + [0] * (k - len(t)) for t in tokens]
-        return cls(torch.tensor(padded, dtype=torch.int64).reshape(len(tokens), k).to(device),
+        return cls(upload(padded, torch.int64, device).reshape(len(tokens), k),
                    [len(t) for t in tokens])
 
 
