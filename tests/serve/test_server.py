@@ -169,13 +169,18 @@ def test_bad_requests_get_errors_and_the_server_keeps_answering(server, client, 
 
 
 def test_an_aborted_stream_frees_its_pages(server):
-    body = {"model": NAME, "prompt": heldout()[1], "max_tokens": 400, "temperature": 0,
+    body = {"model": NAME, "prompt": heldout()[1], "max_tokens": 1500, "temperature": 0,
+            "ignore_eos": True,
             "stream": True}
     with requests.post(server.url + "/v1/completions", json=body, stream=True,
                        timeout=60) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(4)]
         assert all(g.startswith(b"data: ") or g == b"" for g in got)
+        # The gauge reads the pools at the start of each step: wait for a step that holds it.
+        deadline = time.monotonic() + 30
+        while server.metric("dspark_kv_pages_used") == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert server.metric("dspark_kv_pages_used") > 0
     # The connection is closed mid-stream: the request is aborted and its pages come back.
     deadline = time.monotonic() + 60
