@@ -82,13 +82,19 @@ class Handlers:
             return StreamingResponse(self._stream(rids, sink, choice_of, render, finish),
                                      media_type="text/event-stream")
         results: dict[int, CompletionOutput] = {}
+        clock = asyncio.get_running_loop().time
+        check_at = clock() + DISCONNECT_POLL_S
         try:
             while len(results) < len(rids):
+                # Results arrive every step while a request runs, so look for a vanished
+                # client by the clock, not only when the queue is quiet.
+                if clock() >= check_at:
+                    if await request.is_disconnected():
+                        break
+                    check_at = clock() + DISCONNECT_POLL_S
                 try:
                     delta: CompletionDelta = await asyncio.wait_for(sink.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        break
                     continue
                 if delta.finished is not None:
                     results[choice_of[delta.rid]] = delta.finished

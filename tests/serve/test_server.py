@@ -9,7 +9,9 @@ The last test stops the server with SIGTERM.
 
 from __future__ import annotations
 
+import json
 import signal
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -188,6 +190,24 @@ def test_an_aborted_stream_frees_its_pages(server):
         time.sleep(0.2)
     assert server.metric("dspark_kv_pages_used") == 0
     assert server.metric("dspark_requests_total", 'finish_reason="abort"') >= 1
+
+
+def test_a_client_that_gives_up_on_a_plain_request_frees_its_pages(server):
+    before = server.metric("dspark_requests_total", 'finish_reason="abort"')
+    body = json.dumps({"model": NAME, "prompt": heldout()[3], "max_tokens": 1500,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        time.sleep(1.0)  # the request is running; then the client hangs up without reading
+    deadline = time.monotonic() + 60
+    while (server.metric("dspark_requests_total", 'finish_reason="abort"') == before
+           and time.monotonic() < deadline):
+        time.sleep(0.2)
+    assert server.metric("dspark_requests_total", 'finish_reason="abort"') == before + 1
+    while server.metric("dspark_kv_pages_used") > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert server.metric("dspark_kv_pages_used") == 0
 
 
 def test_metrics_and_models(server, client):
