@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from dspark_launch.engine.params import ParamError, SamplingParams
 from dspark_launch.serve.chat import ChatTemplate, ChatTemplateError
-from dspark_launch.serve.errors import APIError, bad_request
+from dspark_launch.serve.errors import APIError, bad_request, model_not_found
 from dspark_launch.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 
@@ -51,8 +51,6 @@ def sampling_params(req: SamplingFields, info: ModelInfo, max_tokens: int | None
 
 
 def check_model(name: str | None, info: ModelInfo) -> None:
-    from dspark_launch.serve.errors import model_not_found
-
     if name is not None and name != info.name:
         raise model_not_found(name, info.name)
 
