@@ -55,15 +55,17 @@ def from_validation(err: ValidationError) -> APIError:
     """The first problem pydantic found, as one line naming the field."""
     first = err.errors(include_url=False)[0]
     # Union members add their type name to the location ('prompt', 'str'): keep the fields.
-    fields = [str(p) for p in first["loc"] if not (isinstance(p, str) and p in _TYPE_TAGS)]
+    fields = [str(p) for p in first["loc"] if not _is_type_tag(p)]
     param = ".".join(fields) or None
     value = first.get("input")
     shown = "" if first["type"] == "missing" else f"={_short(value)}"
     return bad_request(f"{param or 'body'}{shown}: {first['msg']}", param)
 
 
-_TYPE_TAGS = {"str", "int", "float", "bool", "list[int]", "list[str]", "list[list[int]]",
-              "list[ContentPart]", "function-after[validate(), ContentPart]"}
+def _is_type_tag(part: object) -> bool:
+    """Union members tag error locations with their type ('int', 'list[str]'): not fields."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none")
+                                      or not part.isidentifier())
 
 
 def _short(value: object, limit: int = 60) -> str:
