@@ -333,14 +333,12 @@ def make_drafter(base, full: dict[int, list[int]], mode: str, k: int = 5, vocab:
 
             proposal = base.propose(self, reqs, limits, rows)
             raw = proposal.tokens.tolist()  # test-only host reads
-            keep = proposal.keep.tolist() if proposal.keep is not None else None
             tokens = []
             for i, (req, lim) in enumerate(zip(reqs, limits)):
                 mine = raw[i][:proposal.widths[i]]
                 if hasattr(self, "block_size"):
                     TestDrafter.log["raw"].append((req.index, req.kv_len, list(raw[i])))
-                    TestDrafter.log["kept"].append(
-                        (req.index, len(raw[i]) if keep is None else keep[i]))
+                    TestDrafter.log["kept"].append((req.index, proposal.widths[i]))
                 seq, pos = full.get(req.index), len(req.all_ids)
                 if seq is not None:
                     assert seq[:pos] == req.all_ids, "the engine committed a non-greedy token"
@@ -398,9 +396,9 @@ def _drive_rank(rank: int, tp: int, dp: int, engine_args, arrivals: list[Arrival
     (or, with `alone`, each add on its own, run to completion before the next), step until
     idle. Returns every step's outputs, the device->host copies per step, the pool state."""
     from dspark_launch.args import RunConfig
-    from dspark_launch.engine import transfer
     from dspark_launch.engine.build import build_engine
     from dspark_launch.parallel import init_parallel_runtime
+    from dspark_launch.spec import transfer
 
     init_parallel_runtime(RunConfig(tp_size=tp, attn_dp_size=dp, device="cpu"))
     engine = build_engine(engine_args)

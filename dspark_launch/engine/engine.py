@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 from dspark_launch.attention import build_metadata, upload
-from dspark_launch.engine import transfer
 from dspark_launch.engine.exchange import IDLE_WAIT_S, Flags, Inbox, exchange
 from dspark_launch.engine.request import (
     Request,
@@ -33,6 +32,7 @@ from dspark_launch.engine.request import (
 from dspark_launch.engine.scheduler import Scheduler, StepPlan
 from dspark_launch.failure import Interrupted, inject_fault, progress
 from dspark_launch.parallel import get_parallel
+from dspark_launch.spec import transfer
 from dspark_launch.spec.keyed import ACCEPT, SAMPLE, request_key, uniforms
 from dspark_launch.spec.proposer import Proposal, Proposer
 from dspark_launch.spec.sampling import SamplingRows, draw, target_probs
@@ -297,8 +297,6 @@ class Engine:
         drafts = (proposal.tokens[:, :w - 1] if proposal is not None
                   else torch.zeros((n_dec, 0), dtype=torch.int64, device=self.device))
         draft_lens = upload(widths, torch.int64, self.device)
-        if proposal is not None and proposal.keep is not None:
-            draft_lens = torch.minimum(draft_lens, proposal.keep)
         picked = hidden if len(wanted) == hidden.shape[0] else hidden[
             upload(wanted, torch.int64, self.device)]
         if rows.all_greedy and bans is None:

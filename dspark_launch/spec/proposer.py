@@ -17,9 +17,6 @@ class Proposal:
     # [R, K, V] fp32: the distribution each draft was drawn from; None: a point mass at the
     # draft (NGRAM, and model drafts when every request is greedy).
     q: torch.Tensor | None = None
-    # [R] int64 on the device: drafts that may be accepted (DSpark's confidence cut, decided
-    # on the device, so the host never waits for it); None: all `widths` drafts.
-    keep: torch.Tensor | None = None
 
     @classmethod
     def from_lists(cls, tokens: list[list[int]], device: torch.device | str) -> Proposal:
