@@ -103,7 +103,8 @@ def build_parser(serve: bool = False) -> argparse.ArgumentParser:
         allow_abbrev=False,  # `--tp` must not silently mean --tp-size
         description="Speculative decoding (DFlash / DSpark block drafters) under torchrun. "
         "Run as `torchrun --nproc-per-node N -m dspark_launch [flags]`; outside torchrun it "
-        "runs as a world of one.",
+        "runs as a world of one. `... -m dspark_launch serve [flags]` runs an OpenAI-compatible "
+        "HTTP server instead of the offline job (`serve --help`).",
     )
     g = p.add_argument_group("topology")
     g.add_argument("--tp-size", type=int, default=None,
