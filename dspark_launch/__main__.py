@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 8 -m dspark_launch [flags]
     python -m dspark_launch [flags]            # a world of one
+    torchrun --nproc-per-node 2 -m dspark_launch serve --port 30000 [flags]   # HTTP server
 """
 
 from __future__ import annotations
@@ -95,6 +96,10 @@ def run(cfg: RunConfig) -> int:
             logger.warning(warning)
     try:
         report_topology()
+        if cfg.serve:
+            from dspark_launch.serve.server import serve
+
+            return serve(cfg, engine_and_job_args(cfg)[0])
         from dspark_launch.engine.runner import run_job
 
         return run_job(*engine_and_job_args(cfg))

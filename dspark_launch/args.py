@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from dataclasses import dataclass, field
 
 from dspark_launch.errors import ConfigError
@@ -81,6 +82,13 @@ class RunConfig:
     progress: bool = False
     log_all_ranks: bool = False
     log_level: str = "INFO"
+    # `serve`: the OpenAI-compatible server instead of the offline job
+    serve: bool = False
+    host: str = "127.0.0.1"
+    port: int = 30000
+    max_queued_requests: int | None = None
+    shutdown_grace: float = 30.0
+    served_model_name: str | None = None
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -89,13 +97,14 @@ class RunConfig:
         return self.tp_size // self.attn_dp_size
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(serve: bool = False) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m dspark_launch",
+        prog="python -m dspark_launch" + (" serve" if serve else ""),
         allow_abbrev=False,  # `--tp` must not silently mean --tp-size
         description="Speculative decoding (DFlash / DSpark block drafters) under torchrun. "
         "Run as `torchrun --nproc-per-node N -m dspark_launch [flags]`; outside torchrun it "
-        "runs as a world of one.",
+        "runs as a world of one. `... -m dspark_launch serve [flags]` runs an OpenAI-compatible "
+        "HTTP server instead of the offline job (`serve --help`).",
     )
     g = p.add_argument_group("topology")
     g.add_argument("--tp-size", type=int, default=None,
@@ -170,7 +179,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log from every rank, each line prefixed with its rank")
     g.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    if serve:
+        add_server_flags(p)
     return p
+
+
+def add_server_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server (`serve`: an OpenAI-compatible HTTP server on rank 0)")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=30000, help="port to bind (default 30000)")
+    g.add_argument("--max-queued-requests", type=int, default=None,
+                   help="requests waiting for their first token beyond this get HTTP 503 with "
+                   "Retry-After (default: no limit)")
+    g.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="seconds in-flight requests may finish after SIGTERM/SIGINT before "
+                   "they are aborted (default 30)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: --model, or dspark-tiny)")
 
 
 def _positive(name: str, value: float | int | None, allow_zero: bool = False) -> None:
@@ -211,7 +236,11 @@ def resolve_attn_dp(ns: argparse.Namespace) -> tuple[int, tuple[str, ...]]:
 
 def resolve_config(argv: list[str] | None = None, world_size: int | None = None) -> RunConfig:
     """Parse and validate once. argparse's own errors exit 2 with usage; ours raise ConfigError."""
-    ns = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    serve = bool(argv) and argv[0] == "serve"
+    ns = build_parser(serve).parse_args(argv[1:] if serve else argv)
+    if serve:
+        validate_server_flags(ns)
     world = launch_world_size() if world_size is None else world_size
     attn_dp_size, warnings = resolve_attn_dp(ns)
     tp_size = ns.tp_size if ns.tp_size is not None else world
@@ -294,4 +323,17 @@ def resolve_config(argv: list[str] | None = None, world_size: int | None = None)
         log_all_ranks=ns.log_all_ranks,
         log_level=ns.log_level,
         warnings=warnings,
+        **({"serve": True, "host": ns.host, "port": ns.port,
+            "max_queued_requests": ns.max_queued_requests, "shutdown_grace": ns.shutdown_grace,
+            "served_model_name": ns.served_model_name} if serve else {}),
     )
+
+
+def validate_server_flags(ns: argparse.Namespace) -> None:
+    for flag in ("prompt", "prompts", "output", "resume", "plan"):
+        if getattr(ns, flag):
+            raise ConfigError(f"--{flag} does not apply to `serve` (requests come over HTTP)")
+    if not 0 <= ns.port <= 65535:
+        raise ConfigError(f"--port={ns.port} must be in [0, 65535]")
+    _positive("--max-queued-requests", ns.max_queued_requests)
+    _positive("--shutdown-grace", ns.shutdown_grace, allow_zero=True)

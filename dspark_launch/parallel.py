@@ -103,6 +103,7 @@ def validate_layout(
 
 _stamped: ParallelState | None = None
 _overrides: list[ParallelState] = []
+_adopted = False  # the default group was the caller's (LLM in a user's program): keep it
 
 
 def get_parallel() -> ParallelState:
@@ -184,7 +185,14 @@ def init_distributed_environment(
         device = torch.device("cpu")
         backend = "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
-    if "MASTER_ADDR" in os.environ:
+    global _adopted
+    _adopted = dist.is_initialized()
+    if _adopted:  # a user's program initialised the world: join it as it is
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        backend = dist.get_backend()
+        if backend != "nccl":
+            device = torch.device("cpu")
+    elif "MASTER_ADDR" in os.environ:
         dist.init_process_group(backend, store=_launch_store(rank, world_size, timeout),
                                 rank=rank, world_size=world_size, timeout=timeout)
     else:  # outside torchrun: a world of one, so every collective is the same code path
@@ -289,11 +297,19 @@ def init_parallel_runtime(cfg) -> ParallelState:
 
 def destroy_parallel_runtime() -> None:
     """Destroy every process group and forget the stamps; safe to call twice."""
-    global _stamped
-    _stamped = None
+    global _stamped, _adopted
+    state, _stamped = _stamped, None
     if dist.is_available() and dist.is_initialized():
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+        if _adopted:  # only the groups we made; the caller's default group stays
+            groups = {id(g): g for g in (state.tp_group, state.attn_tp_group, state.cpu_group)
+                      if state is not None and g is not None}
+            for group in groups.values():
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group(group)
+        else:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+    _adopted = False
     # A destroyed gloo group can linger in a reference cycle; collected later in a forked
     # child, its destructor waits on threads the child does not have. Collect it now.
     gc.collect()

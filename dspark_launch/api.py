@@ -1,0 +1,173 @@
+"""The in-process SPMD Python API: `from dspark_launch import LLM, SamplingParams`.
+
+Construct `LLM` on every rank of a torchrun program (or in a plain process: a world of one) and
+call `generate` on every rank with the same arguments; every rank returns the same outputs.
+An already initialised default process group is joined as it is and left alone at shutdown
+(only the groups the engine made are destroyed); otherwise one is initialised and destroyed.
+
+    llm = LLM()  # the embedded tiny model with its DSpark draft, as the CLI
+    outs = llm.generate(["def add(a, b):"], SamplingParams(max_tokens=32, temperature=0))
+    outs[0].text, outs[0].token_ids, outs[0].finish_reason, outs[0].accept_lens
+    llm.shutdown()  # or `with LLM(...) as llm:`
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from dspark_launch.args import parse_bytes
+from dspark_launch.engine.build import EngineArgs, build_engine
+from dspark_launch.engine.params import SamplingParams
+from dspark_launch.engine.request import RequestSpec
+from dspark_launch.outputs import CompletionOutput, OutputProcessor
+from dspark_launch.parallel import (
+    destroy_parallel_runtime,
+    init_parallel_runtime,
+    is_initialized,
+    launch_world_size,
+)
+
+__all__ = ["LLM", "SamplingParams", "CompletionOutput"]
+
+
+@dataclass(frozen=True)
+class _Topology:
+    """What init_parallel_runtime reads."""
+
+    tp_size: int
+    attn_dp_size: int
+    device: str
+    dist_timeout: float
+
+
+def default_sampling(engine) -> dict:
+    """generation_config.json as SamplingParams fields (max_new_tokens -> max_tokens)."""
+    defaults = dict(engine.generation_defaults)
+    path = Path(engine.checkpoints.model) / "generation_config.json"
+    with contextlib.suppress(OSError, ValueError):
+        max_new = json.loads(path.read_text()).get("max_new_tokens")
+        if isinstance(max_new, int) and max_new > 0:
+            defaults["max_tokens"] = max_new
+    return defaults
+
+
+class LLM:
+    def __init__(self, model: str | None = None, draft: str | None = None, *,
+                 tp_size: int | None = None, attn_dp_size: int = 1,
+                 dist_timeout: float = 300.0, **engine_args) -> None:
+        """`engine_args` are EngineArgs fields (speculative_algorithm, block_size, dtype,
+        device, kv_cache_memory ("256MiB" or bytes), max_running_requests, seed, ...)."""
+        known = {f.name for f in fields(EngineArgs)}
+        unknown = sorted(set(engine_args) - known)
+        if unknown:
+            raise TypeError(f"LLM() got unknown arguments {unknown}; accepted: {sorted(known)}")
+        if isinstance(engine_args.get("kv_cache_memory"), str):
+            engine_args["kv_cache_memory"] = parse_bytes(engine_args["kv_cache_memory"],
+                                                         "kv_cache_memory")
+        self._owns_runtime = False
+        try:
+            if not is_initialized():
+                world = tp_size or _world_size()
+                init_parallel_runtime(_Topology(world, attn_dp_size,
+                                                engine_args.get("device", "auto"),
+                                                dist_timeout))
+                self._owns_runtime = True
+            self.args = EngineArgs(model=model, draft=draft, **engine_args)
+            self.engine = build_engine(self.args)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.tokenizer = self.engine.tokenizer
+        self._indices = itertools.count()  # the same on every rank: generate is SPMD
+
+    # ------------------------------------------------------------------ generate
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return SamplingParams(**default_sampling(self.engine))
+
+    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[CompletionOutput]:
+        """Run every prompt to the end; outputs in input order, the same on every rank."""
+        token_lists, texts = self._prompts(prompts)
+        params = self._params(sampling_params, len(token_lists))
+        for i, ids in enumerate(token_lists):
+            if (why := self.engine.refusal(ids)) is not None:
+                raise ValueError(f"prompt {i}: {why}")
+        processor = OutputProcessor(self.tokenizer, self.engine.abort)
+        order: dict[str, int] = {}
+        for i, (ids, text, p) in enumerate(zip(token_lists, texts, params)):
+            index = next(self._indices)
+            rid = f"llm-{index}"
+            order[rid] = i
+            processor.add(rid, ids, p)
+            self.engine.add_request(RequestSpec(index=index, rid=rid, prompt_ids=tuple(ids),
+                                                params=p, prompt_text=text))
+        results: list[CompletionOutput | None] = [None] * len(token_lists)
+        # Step until every request ended and the engine freed what stop strings aborted.
+        while len(processor) or self.engine.has_work:
+            for delta in processor.process(self.engine.step()):
+                if delta.finished is not None:
+                    results[order[delta.rid]] = delta.finished
+        return results  # type: ignore[return-value]
+
+    def _prompts(self, prompts) -> tuple[list[list[int]], list[str | None]]:
+        if isinstance(prompts, str) or (
+                isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids, texts = [], []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ValueError(f"prompt {i} is text but the checkpoint has no "
+                                     f"tokenizer.json; pass token ids")
+                ids.append(self.tokenizer.encode(p, add_special_tokens=False).ids)
+                texts.append(p)
+            elif all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                ids.append(list(p))
+                texts.append(None)
+            else:
+                raise TypeError(f"prompt {i} must be a string or a list of token ids, "
+                                f"got {type(p).__name__}")
+        return ids, texts
+
+    def _params(self, sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [self.get_default_sampling_params()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise ValueError(f"{len(params)} sampling_params for {n} prompts; give one, or "
+                             f"one per prompt")
+        return params
+
+    # ------------------------------------------------------------------ lifetime
+
+    def shutdown(self) -> None:
+        """Free the engine's models and pools; destroy the groups this LLM made (a user's
+        default process group stays). Safe to call twice."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+            self.engine = None
+        if self._owns_runtime:
+            self._owns_runtime = False
+            destroy_parallel_runtime()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else launch_world_size()

@@ -1,0 +1,6 @@
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serve"))
+
+from references import offline  # noqa: E402, F401 - the session fixture

@@ -1,0 +1,108 @@
+"""`from dspark_launch import LLM, SamplingParams` on every rank of a user's program.
+
+Oracles: the offline CLI job's outputs (same topology), and each request run alone for a
+batch with mixed per-request SamplingParams.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from multirank import run_world
+from references import MAX_TOKENS, POOL, PROMPTS, heldout
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1",
+       "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
+@pytest.mark.slow
+def test_torchrun_program_with_its_own_group_gets_the_cli_jobs_outputs(tmp_path):
+    """examples/embed_llm.py (the README's Embed program) under real torchrun, 4 ranks,
+    attn-dp 2, against the CLI job on the same topology."""
+    from jobs import run_job
+
+    out = tmp_path / "llm.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "4", str(ROOT / "examples/embed_llm.py"), "--attn-dp-size", "2", "--max-tokens",
+           str(MAX_TOKENS), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    job = run_job(tmp_path, "cli", ["--prompts", str(PROMPTS), "--max-new-tokens",
+                                    str(MAX_TOKENS), "--tp-size", "4", "--attn-dp-size", "2",
+                                    *POOL], world=4, timeout=300)
+    assert job.rcs == [0] * 4
+    cli = sorted(job.records, key=lambda r: r["index"])
+    assert [r["token_ids"] for r in rows[:32]] == [r["output_ids"] for r in cli]
+    assert [r["text"] for r in rows[:32]] == [r["text"] for r in cli]
+    assert all(r["accept_lens"] and min(r["accept_lens"]) >= 1 for r in rows[:32])
+
+
+def _mixed_batch(rank: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from dspark_launch import LLM, SamplingParams
+
+    dist.init_process_group("gloo")  # the caller's own group, before LLM
+    prompts = heldout()[:6]
+    with LLM(kv_cache_memory="64MiB", device="cpu") as llm:
+        plain = llm.generate(prompts[5], SamplingParams(max_tokens=20, temperature=0))[0]
+        stop = plain.text[len(plain.text) // 2:len(plain.text) // 2 + 5]
+        params = [
+            SamplingParams(max_tokens=20, temperature=0),
+            SamplingParams(max_tokens=20, temperature=0.9, seed=11),
+            SamplingParams(max_tokens=12, temperature=0.7, top_k=20, seed=3),
+            SamplingParams(max_tokens=20, temperature=1.0, top_p=0.8, seed=5),
+            SamplingParams(max_tokens=20, temperature=0.9, seed=11, stop=["\n\n"]),
+            SamplingParams(max_tokens=20, temperature=0, stop=[stop]),
+        ]
+        batch = llm.generate(prompts, params)
+        alone = [llm.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
+        pages_free = llm.engine.space.is_full()
+    # The caller's group survives shutdown().
+    total = torch.tensor([1])
+    dist.all_reduce(total)
+    view = lambda o: (o.text, o.token_ids, o.finish_reason, o.stop_reason)  # noqa: E731
+    return {"batch": [view(o) for o in batch], "alone": [view(o) for o in alone],
+            "stop": stop, "plain": plain.text, "group_ok": int(total) == dist.get_world_size(),
+            "pages_free": pages_free, "initialized": dist.is_initialized()}
+
+
+def test_per_request_sampling_params_give_what_each_gets_alone():
+    results = run_world(2, _mixed_batch, timeout=300)
+    assert results[0] == results[1]  # every rank returns the same outputs
+    r = results[0]
+    assert r["batch"] == r["alone"]
+    assert r["group_ok"] and r["initialized"] and r["pages_free"]
+    # The stop string cut the greedy text exactly where it starts.
+    text, _, reason, stop_reason = r["batch"][5]
+    assert text == r["plain"][:r["plain"].find(r["stop"])] and reason == "stop"
+    assert stop_reason == r["stop"]
+    # Different seeds and temperatures did sample different continuations.
+    assert len({t for t, *_ in r["batch"][1:4]}) == 3
+
+
+def test_world_of_one_without_torchrun_uses_the_embedded_model_and_its_defaults(offline):
+    """LLM() with no model and no sampling params: the embedded family and
+    generation_config.json (greedy, max_new_tokens 128)."""
+    code = ("import json; from dspark_launch import LLM\n"
+            "with LLM(kv_cache_memory='64MiB') as llm:\n"
+            "    outs = llm.generate(PROMPTS)\n"
+            "print(json.dumps([o.token_ids for o in outs]))\n")
+    prompts = heldout()[:2]
+    env = {k: v for k, v in ENV.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    proc = subprocess.run([sys.executable, "-c", code.replace("PROMPTS", repr(prompts))],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outs = json.loads(proc.stdout.strip().splitlines()[-1])
+    for prompt, ids in zip(prompts, outs):
+        ref = offline[prompt]["output_ids"]
+        assert ids[:len(ref)] == ref
+        assert len(ids) == 128 or ids[-1] == 2046  # max_new_tokens or EOS

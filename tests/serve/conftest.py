@@ -1,0 +1,1 @@
+from references import offline  # noqa: F401 - the session fixture

@@ -1,0 +1,151 @@
+"""Incremental detokenization and stop strings, with the embedded model's real tokenizer.
+
+Oracles: `tokenizer.decode(all ids)` for the streamed text, and `text[:text.find(stop)]` (the
+earliest stop string) for the cut.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
+from dspark_launch.detokenize import REPLACEMENT, IncrementalDetokenizer, StopStrings, TextStream
+
+TOKENIZER = Path(__file__).resolve().parents[2] / "dspark_launch/assets/tiny/target/tokenizer.json"
+TOK = Tokenizer.from_file(str(TOKENIZER))
+VOCAB = TOK.get_vocab_size()
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Multi-byte characters (2, 3 and 4 bytes in UTF-8) among ASCII, so characters straddle tokens.
+TEXT = st.text(alphabet=st.sampled_from(list("ab c\n.=_(") + list("éß中文🙂ä€")), max_size=40)
+
+
+def stream(ids: list[int], skip_special_tokens: bool = True) -> list[str]:
+    detok = IncrementalDetokenizer(TOK, skip_special_tokens)
+    deltas = [detok.push(t) for t in ids]
+    return deltas + [detok.finish()]
+
+
+@SETTINGS
+@given(st.lists(st.integers(0, VOCAB - 1), max_size=60), st.booleans())
+def test_any_token_sequence_streams_to_the_full_decode(ids, skip):
+    # Random ids include lone UTF-8 lead/continuation bytes and the special tokens.
+    assert "".join(stream(ids, skip)) == TOK.decode(ids, skip_special_tokens=skip)
+
+
+@SETTINGS
+@given(TEXT)
+def test_no_delta_holds_a_broken_character(text):
+    ids = TOK.encode(text).ids
+    deltas = stream(ids)
+    assert "".join(deltas) == text  # byte-level BPE round-trips exactly
+    assert not any(REPLACEMENT in d for d in deltas)
+
+
+def test_a_character_split_over_tokens_is_held_until_complete():
+    ids = TOK.encode("🙂").ids
+    assert len(ids) > 1  # the emoji's 4 bytes are several tokens in this small vocabulary
+    deltas = stream(ids)
+    assert deltas[:-2] == [""] * (len(ids) - 1) and deltas[-2] == "🙂" and deltas[-1] == ""
+
+
+def test_finish_flushes_an_unfinished_character():
+    ids = TOK.encode("a🙂").ids[:-1]  # stopped by max_tokens in the middle of the emoji
+    deltas = stream(ids)
+    assert deltas[0] == "a" and "".join(deltas) == TOK.decode(ids)
+    assert deltas[-1].startswith(REPLACEMENT)
+
+
+def first_stop(ids: list[int], stops: list[str]) -> tuple[str, int | None]:
+    """(text, tokens used): generation ends at the first token after which some stop string is
+    certainly in the text (in front of any unfinished character); the text is cut where the
+    earliest-starting stop string present then starts. No stop string: the whole text."""
+    for k in range(1, len(ids) + 1):
+        text = TOK.decode(ids[:k]).rstrip(REPLACEMENT)
+        found = [text.find(s) for s in stops if s in text]
+        if found:
+            return text[:min(found)], k
+    return TOK.decode(ids), None
+
+
+def run_stream(ids: list[int], stops: list[str]) -> tuple[str, str | None, int]:
+    """(released text, matched stop, tokens consumed) through TextStream token by token."""
+    ts = TextStream(TOK, tuple(stops))
+    out, used = "", 0
+    for t in ids:
+        d = ts.push(t)
+        out += d.text
+        used += 1
+        if d.stopped is not None:
+            return out, d.stopped, used
+    return out + ts.finish(), None, used
+
+
+@SETTINGS
+@given(TEXT, st.integers(0, 40), st.integers(1, 6))
+def test_one_stop_string_cuts_where_it_first_starts(text, start, length):
+    stop = text[start:start + length]
+    if not stop:
+        return
+    ids = TOK.encode(text).ids
+    full = TOK.decode(ids)
+    out, matched, _ = run_stream(ids, [stop])
+    assert out == full[:full.find(stop)] and matched == stop
+
+
+@SETTINGS
+@given(TEXT, st.lists(st.tuples(st.integers(0, 40), st.integers(1, 6)), min_size=1, max_size=3),
+       st.lists(st.text(alphabet="xyé", min_size=1, max_size=3), max_size=2))
+def test_several_stop_strings_end_at_the_first_that_appears(text, spans, absent):
+    # Stops taken from the text itself (so they occur, often spanning several tokens) plus
+    # some that may not occur at all.
+    stops = [text[a:a + n] for a, n in spans if text[a:a + n]] + absent
+    if not stops:
+        return
+    ids = TOK.encode(text).ids
+    out, matched, used = run_stream(ids, stops)
+    expected, k = first_stop(ids, stops)
+    assert out == expected
+    if k is None:
+        assert matched is None
+    else:
+        assert used == k and matched in stops
+
+
+def test_multi_token_stop_straddling_a_token_end():
+    text = "x = foo(bar)\nreturn bar"
+    ids = TOK.encode(text).ids
+    stop = "o(ba"  # starts inside one token and ends inside another
+    out, matched, used = run_stream(ids, [stop])
+    assert (out, matched) == ("x = fo", stop)
+    assert used < len(ids)  # the stream ended at the completing token, not at the end
+
+
+def test_partial_stop_at_the_end_is_released_on_finish():
+    ids = TOK.encode("hello wor").ids
+    out, matched, _ = run_stream(ids, ["world"])
+    assert (out, matched) == ("hello wor", None)
+
+
+def test_stop_strings_wait_for_min_tokens():
+    ids = TOK.encode("ab ab ab").ids
+    ts = TextStream(TOK, ("ab",), min_tokens=len(TOK.encode("ab ab").ids) + 1)
+    out = ""
+    for t in ids:
+        d = ts.push(t)
+        out += d.text
+        if d.stopped:
+            break
+    # The first two "ab" end before min_tokens; the third one stops the stream.
+    assert out == "ab ab " and d.stopped == "ab"
+
+
+@pytest.mark.parametrize("chunks", [["abc", "de"], ["a", "b", "c", "d", "e"], ["abcde"]])
+def test_stop_strings_hold_back_only_a_possible_prefix(chunks):
+    s = StopStrings(("cdx",))
+    released = [s.feed(c) for c in chunks]
+    assert "".join(released) == "abc"  # len("cdx") - 1 = 2 characters held back
+    assert s.feed("", final=True) == "de"

@@ -1,0 +1,34 @@
+"""`serve` on the command line: its flags, and job-only flags refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from dspark_launch.args import resolve_config
+from dspark_launch.errors import ConfigError
+
+
+def test_serve_flags_are_parsed():
+    cfg = resolve_config(["serve", "--port", "8123", "--max-queued-requests", "7",
+                          "--shutdown-grace", "2.5", "--served-model-name", "m",
+                          "--attn-dp-size", "1"], world_size=1)
+    assert (cfg.serve, cfg.port, cfg.max_queued_requests, cfg.shutdown_grace,
+            cfg.served_model_name, cfg.host) == (True, 8123, 7, 2.5, "m", "127.0.0.1")
+    assert not resolve_config([], world_size=1).serve
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["serve", "--prompts", "p.jsonl"], "--prompts"),
+    (["serve", "--output", "o.jsonl"], "--output"),
+    (["serve", "--port", "70000"], "--port=70000"),
+    (["serve", "--max-queued-requests", "0"], "--max-queued-requests=0"),
+    (["serve", "--shutdown-grace", "-1"], "--shutdown-grace=-1"),
+])
+def test_bad_serve_flags_are_refused_by_name(argv, named):
+    with pytest.raises(ConfigError, match=named):
+        resolve_config(argv, world_size=1)
+
+
+def test_server_flags_only_exist_for_serve():
+    with pytest.raises(SystemExit):
+        resolve_config(["--port", "8000"], world_size=1)

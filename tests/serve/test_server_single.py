@@ -1,0 +1,67 @@
+"""`python -m dspark_launch serve` as a world of one: queue limit (503 + Retry-After) and SIGINT
+with --shutdown-grace 0 (in-flight requests are aborted, exit 130)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import pytest
+import requests
+from references import POOL
+from server_proc import launch
+
+pytestmark = pytest.mark.slow
+LONG = {"prompt": "def f(x):", "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
+        "stream": True}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve1") / "server.log"
+    srv = launch(["--max-queued-requests", "1", "--max-running-requests", "1",
+                  "--shutdown-grace", "0", "--speculative-algorithm", "NONE", *POOL],
+                 nproc=None, log=log)
+    yield srv
+    if srv.proc.poll() is None:
+        srv.stop()
+
+
+def stream_in_thread(url: str, out: list, started: threading.Event) -> threading.Thread:
+    def run():
+        with requests.post(url + "/v1/completions", json=LONG, stream=True, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith(b"data: {"):
+                    started.set()
+                    out.append(json.loads(line[6:]))
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_queue_limit_answers_503_with_retry_after(server):
+    running, queued = [], []
+    first, second = threading.Event(), threading.Event()
+    a = stream_in_thread(server.url, running, first)
+    assert first.wait(60)  # A runs (its first token is out): no longer queued
+    b = stream_in_thread(server.url, queued, second)  # B waits: max-running-requests 1
+    time.sleep(1.0)
+    r = requests.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                      timeout=30)
+    assert r.status_code == 503, r.text
+    assert int(r.headers["Retry-After"]) >= 1
+    assert r.json()["error"]["code"] == "too_many_requests"
+    server.threads = (a, b, running, queued)
+
+
+def test_sigint_aborts_in_flight_and_exits_130(server):
+    a, b, running, queued = server.threads
+    rc = server.stop(signal.SIGINT)
+    a.join(30)
+    b.join(30)
+    assert rc == 130
+    assert running[-1]["choices"][0]["finish_reason"] == "abort"
+    assert "leaving with exit code 130" in server.text()
+    assert "every KV page is free" in server.text()

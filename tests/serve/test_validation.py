@@ -1,0 +1,85 @@
+"""Request validation of the HTTP layer, in process: every bad request is refused with its
+status and an OpenAI-style error naming the field, before anything reaches the engine (the
+bridge here has no step loop behind it: a request that got through would fail with 500).
+The same requests against a real torchrun server: test_server.py."""
+
+from __future__ import annotations
+
+import pytest
+from chat_assets import EMBEDDED
+from fastapi.testclient import TestClient
+from tokenizers import Tokenizer
+
+from dspark_launch.serve.app import build_app
+from dspark_launch.serve.bridge import RequestBridge
+from dspark_launch.serve.metrics import ServerMetrics
+from dspark_launch.serve.requests import ModelInfo
+
+CONTEXT = 64
+
+
+@pytest.fixture(scope="module")
+def client():
+    info = ModelInfo(name="tiny", tokenizer=Tokenizer.from_file(str(EMBEDDED / "tokenizer.json")),
+                     vocab_size=2048, context_limit=CONTEXT, defaults={"temperature": 0.0},
+                     chat_template=None, model_dir=str(EMBEDDED))
+    bridge = RequestBridge(max_queued=4)
+    return TestClient(build_app(info, bridge, ServerMetrics("tiny"), lambda: True))
+
+
+BAD = [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"model": "tiny"}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": "5"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": -3}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "a", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "a", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "a", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": "a", "stop": [1]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "a", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "a", "model": "gpt-4"}, 404, "model"),
+    ("/v1/completions", {"prompt": "a " * CONTEXT}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [5, 99999]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400,
+     "messages.0.content"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD, ids=[str(b)[:40] for _, b, _, _ in BAD])
+def test_bad_request_is_refused_naming_the_field(client, path, body, status, param):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = client.post(path, headers={"content-type": "application/json"}, **kwargs)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param and err["message"]
+    if param is not None:
+        assert param.split(".")[0] in err["message"]
+
+
+def test_chat_without_template_names_it(client):
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 400 and "chat_template" in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "chat_template_missing"
+
+
+def test_unknown_fields_are_ignored_but_known_ones_typed(client):
+    # An unknown field does not make the request fail validation (it fails later, here only
+    # at the missing prompt): the error names prompt, not the unknown field.
+    r = client.post("/v1/completions", json={"frobnicate": {"x": 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_models_and_health(client):
+    assert client.get("/health").status_code == 200
+    models = client.get("/v1/models").json()
+    assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == CONTEXT
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
