@@ -1,0 +1,93 @@
+"""Cost curve: profiling runs the given forward at each point, interpolation and extrapolation
+are closed-form, online refinement moves towards measurements, the disk cache round-trips."""
+
+from __future__ import annotations
+
+import pytest
+
+from dspark_launch.spec.cost_curve import (
+    CostCurve,
+    cache_key,
+    load_cached,
+    profile,
+    profile_points,
+    profiled_curve,
+)
+
+
+def test_profile_points_ladder():
+    assert profile_points(1) == [1]
+    assert profile_points(8) == [1, 2, 4, 8]
+    pts = profile_points(300, count=6)
+    assert pts[0] == 1 and pts[-1] == 300 and len(pts) == 6 and pts == sorted(set(pts))
+
+
+def test_interpolation_closed_form():
+    c = CostCurve([1, 5, 9], [1.0, 1.0, 3.0])
+    assert c.step_seconds(3) == pytest.approx(1.0)
+    assert c.step_seconds(7) == pytest.approx(2.0)
+    assert c.step_seconds(13) == pytest.approx(5.0)  # last slope extends
+    assert c.steps_per_second(7) == pytest.approx(0.5)
+    down = CostCurve([1, 2], [2.0, 1.0])
+    assert down.step_seconds(10) >= 1.0  # extrapolation never gets faster than the last point
+
+
+class FakeClock:
+    """A clock the fake forward advances by a known cost per token (the thing under test is
+    the profiler's bookkeeping, so the forward's cost is the oracle)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.calls: list[int] = []
+
+    def __call__(self) -> float:
+        return self.t
+
+    def forward(self, n: int) -> None:
+        self.calls.append(n)
+        self.t += 0.01 + 0.002 * n
+
+
+def test_profile_times_every_point_with_warmup():
+    clock = FakeClock()
+    curve = profile(clock.forward, [1, 4, 16], repeats=3, clock=clock)
+    assert clock.calls == [1] * 4 + [4] * 4 + [16] * 4  # one warm-up + 3 timed each
+    assert curve.seconds == pytest.approx([0.012, 0.018, 0.042])
+
+
+def test_profile_respects_budget():
+    clock = FakeClock()
+    profile(clock.forward, [1, 4, 16], repeats=5, budget_s=0.0, clock=clock)
+    assert clock.calls == [1, 1, 4, 4, 16, 16]  # warm-up + one timed run each
+
+
+def test_online_refinement_converges():
+    c = CostCurve([1, 8, 64], [1.0, 1.0, 1.0], ema=0.2)
+    for _ in range(200):
+        c.observe(8, 3.0)
+    assert c.step_seconds(8) == pytest.approx(3.0, rel=1e-3)
+    assert c.seconds[0] == 1.0  # an observation at a point moves only that point
+    for _ in range(400):
+        c.observe(36, 4.0)  # halfway between 8 and 64 moves both
+    assert c.step_seconds(36) == pytest.approx(4.0, rel=1e-2)
+
+
+def test_cache_round_trip(tmp_path):
+    machine = {"device": "cpu", "world": 2, "threads": 1}
+    clock_calls: list[int] = []
+
+    def forward(n: int) -> None:
+        clock_calls.append(n)
+
+    curve, src = profiled_curve("auto", machine, forward, [1, 2], directory=tmp_path)
+    assert src == "profiled" and clock_calls
+    clock_calls.clear()
+    again, src = profiled_curve("auto", machine, forward, [1, 2], directory=tmp_path)
+    assert src == "cache" and not clock_calls and again.tokens == [1, 2]
+    assert again.seconds == pytest.approx(curve.seconds)
+    other = profiled_curve("auto", {**machine, "world": 4}, forward, [1, 2],
+                           directory=tmp_path)[1]
+    assert other == "profiled"  # another topology is another key
+    assert load_cached(cache_key({"x": 1}), tmp_path) is None
+    off, src = profiled_curve("off", machine, forward, [1, 2], directory=tmp_path)
+    assert src == "off" and off.step_seconds(1) == off.step_seconds(1000)
