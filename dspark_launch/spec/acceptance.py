@@ -119,19 +119,20 @@ def fit_sts(
 
 class _Counts:
     """Per-position counts of drafts reached (verified with every earlier draft accepted) and
-    accepted, exponentially forgotten so that an estimate recovers when the text changes."""
+    accepted; aged every step so that an estimate recovers when the text changes."""
 
     def __init__(self, positions: int) -> None:
         self.reached = [0.0] * positions
         self.accepted = [0.0] * positions
 
-    def add(self, verified: int, accepted: int, decay: float) -> None:
-        if decay < 1.0:
-            self.reached = [x * decay for x in self.reached]
-            self.accepted = [x * decay for x in self.accepted]
+    def add(self, verified: int, accepted: int) -> None:
         for i in range(min(verified, accepted + 1, len(self.reached))):
             self.reached[i] += 1.0
             self.accepted[i] += float(i < accepted)
+
+    def age(self, decay: float) -> None:
+        self.reached = [x * decay for x in self.reached]
+        self.accepted = [x * decay for x in self.accepted]
 
 
 class AcceptanceTracker:
@@ -141,10 +142,12 @@ class AcceptanceTracker:
         p_{r,i} = (acc_{r,i} + m * g_i) / (reached_{r,i} + m)
     and g_i itself is shrunk towards g_{i-1} (g_0 = prior): positions the policy has not
     verified lately borrow the rate of the position before them instead of staying stuck.
-    Global counts are kept per class (greedy / sampled): sampled acceptance is lower."""
+    Global counts are kept per class (greedy / sampled): sampled acceptance is lower. Every
+    step ages all counts by `decay`, so a drafter written off (verifying nothing, hence
+    observing nothing) drifts back towards the prior and is probed again now and then."""
 
     def __init__(self, positions: int, prior: float = 0.5, prior_weight: float = 2.0,
-                 request_weight: float = 4.0, decay: float = 0.995) -> None:
+                 request_weight: float = 4.0, decay: float = 0.98) -> None:
         self.positions = positions
         self.prior, self.prior_weight = prior, prior_weight
         self.request_weight = request_weight
@@ -156,9 +159,13 @@ class AcceptanceTracker:
         """One round of request `key`: `verified` drafts were verified, `accepted` accepted."""
         if verified <= 0:
             return
-        self._global.setdefault(cls, _Counts(self.positions)).add(verified, accepted,
-                                                                  self.decay)
-        self._requests.setdefault(key, _Counts(self.positions)).add(verified, accepted, 1.0)
+        self._global.setdefault(cls, _Counts(self.positions)).add(verified, accepted)
+        self._requests.setdefault(key, _Counts(self.positions)).add(verified, accepted)
+
+    def tick(self) -> None:
+        """One engine step has passed."""
+        for counts in (*self._global.values(), *self._requests.values()):
+            counts.age(self.decay)
 
     def global_rates(self, cls: str) -> list[float]:
         counts = self._global.get(cls)
@@ -189,7 +196,7 @@ class ConfidenceCorrection:
     confidences (per class), so DSpark's estimates stay honest at temperatures or on text the
     calibration never saw. Starts at 1 (trust the calibration) and is shrunk towards it."""
 
-    def __init__(self, positions: int, weight: float = 8.0, decay: float = 0.995) -> None:
+    def __init__(self, positions: int, weight: float = 8.0, decay: float = 0.99) -> None:
         self.positions, self.weight, self.decay = positions, weight, decay
         self._pred: dict[str, list[float]] = {}
         self._acc: dict[str, list[float]] = {}
@@ -198,12 +205,14 @@ class ConfidenceCorrection:
         """cond: the conditional estimates of the drafts that were verified."""
         pred = self._pred.setdefault(cls, [0.0] * self.positions)
         acc = self._acc.setdefault(cls, [0.0] * self.positions)
-        for i in range(self.positions):
-            pred[i] *= self.decay
-            acc[i] *= self.decay
         for i, c in enumerate(cond[:min(len(cond), accepted + 1, self.positions)]):
             pred[i] += c
             acc[i] += float(i < accepted)
+
+    def tick(self) -> None:
+        """One engine step has passed: age the sums."""
+        for sums in (*self._pred.values(), *self._acc.values()):
+            sums[:] = [x * self.decay for x in sums]
 
     def ratios(self, cls: str) -> list[float]:
         pred = self._pred.get(cls, [0.0] * self.positions)

@@ -43,8 +43,18 @@ probe, or the DFlash/NGRAM decision to skip drafting a request this step).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import torch
+
+from dspark_launch.spec.acceptance import (
+    AcceptanceTracker,
+    ConfidenceCorrection,
+    apply_temperatures,
+)
+from dspark_launch.spec.cost_curve import CostCurve, profile_points
 
 POLICIES = ("adaptive", "fixed")
 
@@ -95,3 +105,214 @@ def choose_lengths(
 def fixed_lengths(limits: Sequence[int], base_tokens: int) -> Choice:
     """Today's behaviour: every available draft is verified (expected tokens unknown: NaN)."""
     return Choice(list(limits), float("nan"), base_tokens + sum(limits))
+
+
+def best_prefix(
+    survival: Sequence[Sequence[float]],
+    base_tokens: int,
+    step_seconds: Callable[[int], float],
+    draft_seconds: Callable[[int], float],  # seconds to draft for n requests (0 for n = 0)
+) -> Choice:
+    """The best number of admitted drafts when every estimate comes from PAST rounds only
+    (DFlash/NGRAM, and whether DSpark drafts at all): no early stop is needed for losslessness
+    here, so the whole walk is scanned, and the draft forward's cost (paid once for every request
+    that drafts) can make a longer prefix pay where the first candidate alone does not."""
+    reqs = len(survival)
+    cands = sorted((-a, r, j) for r, row in enumerate(survival)
+                   for j, a in enumerate(monotone(row)))
+    tau, best_tau, best_d = float(reqs), float(reqs), 0
+    drafting: set[int] = set()
+    best = tau / step_seconds(base_tokens) if reqs else 0.0
+    for d, (neg_a, r, _) in enumerate(cands, start=1):
+        tau -= neg_a
+        drafting.add(r)
+        theta = tau / (step_seconds(base_tokens + d) + draft_seconds(len(drafting)))
+        if theta > best:
+            best, best_tau, best_d = theta, tau, d
+    lengths = [0] * reqs
+    for _, r, j in cands[:best_d]:
+        lengths[r] = j + 1
+    return Choice(lengths, best_tau, base_tokens + best_d)
+
+
+# ---------------------------------------------------------------------- the per-group policy
+
+def draft_curve_guess(curve: CostCurve, block_rows: int, scale: float,
+                      max_requests: int) -> CostCurve:
+    """Seconds to draft for n requests before any draft was timed: the target forward at the
+    block's rows scaled by the draft/target layer ratio (refined online from real draft times)."""
+    points = profile_points(max(1, max_requests))
+    return CostCurve(points, [scale * curve.step_seconds(n * max(1, block_rows))
+                              for n in points])
+
+
+class PolicyMetrics:
+    """What the summary reports: verified tokens per step, chosen lengths, and predicted vs
+    realised tokens per round (overall and per draft position: a calibration check)."""
+
+    def __init__(self, positions: int) -> None:
+        self.verified_tokens: Counter[int] = Counter()  # decode tokens in a step's forward
+        self.lengths: Counter[int] = Counter()  # drafts verified per request-round
+        self.skipped_drafts = 0  # steps whose draft forward the policy skipped
+        self.rounds = 0
+        self.predicted = 0.0  # sum of predicted committed tokens (1 + survival)
+        self.realised = 0.0  # sum of accepted drafts + 1
+        self.pos_rounds = [0] * positions  # rounds that verified draft k
+        self.pos_predicted = [0.0] * positions  # sum of a_k over those rounds
+        self.pos_realised = [0] * positions  # rounds where drafts 1..k were all accepted
+
+    def to_dict(self) -> dict:
+        return {
+            "verified_tokens_per_step": dict(sorted(self.verified_tokens.items())),
+            "chosen_lengths": dict(sorted(self.lengths.items())),
+            "skipped_draft_steps": self.skipped_drafts,
+            "rounds": self.rounds,
+            "predicted_sum": self.predicted, "realised_sum": self.realised,
+            "positions": [{"rounds": n, "predicted_sum": p, "realised_sum": a}
+                          for n, p, a in zip(self.pos_rounds, self.pos_predicted,
+                                             self.pos_realised)],
+        }
+
+
+def merge_metrics(parts: list[dict]) -> dict:
+    """One report from every attn_dp group's PolicyMetrics.to_dict(): counts add up."""
+    out: dict = {"verified_tokens_per_step": Counter(), "chosen_lengths": Counter(),
+                 "skipped_draft_steps": 0, "rounds": 0, "predicted_sum": 0.0,
+                 "realised_sum": 0.0, "positions": []}
+    for p in parts:
+        for key in ("verified_tokens_per_step", "chosen_lengths"):
+            out[key].update({int(k): v for k, v in p[key].items()})
+        for key in ("skipped_draft_steps", "rounds", "predicted_sum", "realised_sum"):
+            out[key] += p[key]
+        for i, pos in enumerate(p["positions"]):
+            if i == len(out["positions"]):
+                out["positions"].append({"rounds": 0, "predicted_sum": 0.0, "realised_sum": 0})
+            for key in pos:
+                out["positions"][i][key] += pos[key]
+    rounds = max(out["rounds"], 1)
+    out["predicted_tau"] = round(out.pop("predicted_sum") / rounds, 4)
+    out["realised_tau"] = round(out.pop("realised_sum") / rounds, 4)
+    out["calibration"] = [
+        {"position": i + 1, "rounds": p["rounds"],
+         "predicted": round(p["predicted_sum"] / max(p["rounds"], 1), 4),
+         "realised": round(p["realised_sum"] / max(p["rounds"], 1), 4)}
+        for i, p in enumerate(out.pop("positions")) if p["rounds"]]
+    for key in ("verified_tokens_per_step", "chosen_lengths"):
+        out[key] = dict(sorted(out[key].items()))
+    return out
+
+
+class VerifyPolicy:
+    """One attn_dp group's verify-length policy, called by the engine every step:
+
+    1. plan(): before drafting, from past rounds only — per request the most drafts it may
+       verify (0: do not draft it). DFlash/NGRAM: these are the lengths (best_prefix, which
+       prices the draft forward). DSpark: all or nothing (whether the draft forward pays).
+    2. choose(): DSpark, after drafting — calibrated confidences, Algorithm 1 (early stop).
+    3. record() each request's outcome, record_step() the measured times.
+
+    Every rank of the group calls it with the same values (tokens, agreed times), so they
+    choose the same lengths. In "fixed" mode it only predicts (for the calibration report)."""
+
+    def __init__(self, mode: str, curve: CostCurve, draft_curve: CostCurve, positions: int,
+                 temperatures: list[float] | None = None, confidence: bool = False) -> None:
+        if mode not in POLICIES:
+            raise ValueError(f"speculative policy {mode!r}: expected one of {POLICIES}")
+        self.mode, self.curve, self.draft_curve = mode, curve, draft_curve
+        self.positions = positions
+        self.temperatures = temperatures
+        self.confidence = confidence
+        self.tracker = AcceptanceTracker(positions)
+        self.correction = ConfidenceCorrection(positions)
+        self.metrics = PolicyMetrics(positions)
+        self._survival: dict[object, list[float]] = {}  # this step's a_{r,1..} per request
+
+    @property
+    def adaptive(self) -> bool:
+        return self.mode == "adaptive"
+
+    def _draft_seconds(self, n: int) -> float:
+        return self.draft_curve.step_seconds(n) if n else 0.0
+
+    def plan(self, keys: Sequence[object], classes: Sequence[str], limits: Sequence[int],
+             base_tokens: int) -> list[int]:
+        self._survival = {}
+        if not self.adaptive or not keys:
+            return list(limits)
+        past = [survival_of(self.tracker.conditional(k, c)[:lim])
+                for k, c, lim in zip(keys, classes, limits)]
+        choice = best_prefix(past, base_tokens, self.curve.step_seconds, self._draft_seconds)
+        if sum(choice.lengths) == 0 and any(limits):
+            self.metrics.skipped_drafts += 1
+        if self.confidence:
+            return list(limits) if sum(choice.lengths) else [0] * len(limits)
+        return choice.lengths
+
+    def choose(self, keys: Sequence[object], classes: Sequence[str], limits: Sequence[int],
+               base_tokens: int, conf: Sequence[Sequence[float]] | None = None,
+               drafted: int = 0) -> list[int]:
+        """The lengths to verify, after drafting. `conf`: DSpark's raw c_{r,1..} (None for
+        the others, whose estimates are the tracker's); `drafted`: requests drafted (their
+        draft forward is paid already, a constant in every candidate's price)."""
+        if conf is not None:
+            cal = apply_temperatures(torch.tensor([list(c) + [1.0] * (max(map(len, conf))
+                                                                      - len(c)) for c in conf]),
+                                     self.temperatures).tolist() if conf else []
+            cond = [self.correction.apply(cls, row[:lim])
+                    for cls, row, lim in zip(classes, cal, limits)]
+        else:
+            cond = [self.tracker.conditional(k, c)[:lim]
+                    for k, c, lim in zip(keys, classes, limits)]
+        survival = [survival_of(row) for row in cond]
+        self._survival = {k: s for k, s in zip(keys, survival)}
+        self._cond = {k: row for k, row in zip(keys, cond)}
+        if not self.adaptive:
+            return list(limits)
+        if conf is None:
+            return list(limits)  # decided in plan() from past rounds; drafts only cut short
+        sunk = self._draft_seconds(drafted)
+        return choose_lengths(survival, base_tokens,
+                              lambda n: self.curve.step_seconds(n) + sunk).lengths
+
+    def record(self, key: object, cls: str, verified: int, accepted: int) -> None:
+        """One request's round: `verified` drafts verified, `accepted` of them accepted."""
+        m = self.metrics
+        m.lengths[verified] += 1
+        self.tracker.observe(key, cls, verified, accepted)
+        surv = self._survival.get(key)
+        if surv is None:
+            return
+        if self.confidence and verified:
+            self.correction.observe(cls, self._cond[key][:verified], accepted)
+        m.rounds += 1
+        m.predicted += 1.0 + sum(surv[:verified])
+        m.realised += 1.0 + accepted
+        for i in range(min(verified, self.positions)):
+            m.pos_rounds[i] += 1
+            m.pos_predicted[i] += surv[i]
+            m.pos_realised[i] += int(accepted > i)
+
+    def record_step(self, decode_tokens: int, forward_tokens: int, forward_s: float,
+                    drafted: int, draft_s: float) -> None:
+        """Measured (agreed) times of the last step: refine both curves; age the counts."""
+        self.metrics.verified_tokens[decode_tokens] += 1
+        self.curve.observe(forward_tokens, forward_s)
+        if drafted:
+            self.draft_curve.observe(drafted, draft_s)
+        self.tracker.tick()
+        self.correction.tick()
+
+    def forget(self, key: object) -> None:
+        self.tracker.forget(key)
+
+    def report(self) -> dict:
+        return {"policy": self.mode, **self.metrics.to_dict(),
+                "cost_curve": self.curve.to_dict(), "draft_cost_curve": self.draft_curve.to_dict()}
+
+
+def survival_of(cond: Sequence[float]) -> list[float]:
+    out, a = [], 1.0
+    for c in cond:
+        a *= min(1.0, max(0.0, float(c)))
+        out.append(a)
+    return out

@@ -99,16 +99,19 @@ def test_tracker_learns_rates_per_request_with_shrinkage():
     assert t.conditional("good", "greedy") == g
 
 
-def test_tracker_forgets_so_a_dead_drafter_is_probed_again():
-    t = AcceptanceTracker(positions=2, decay=0.9)
+def test_tracker_ages_so_a_dead_drafter_is_probed_again():
+    t = AcceptanceTracker(positions=2, prior=0.5, prior_weight=2.0, decay=0.9)
     for _ in range(30):
         t.observe("r", "greedy", verified=1, accepted=0)
     low = t.global_rates("greedy")[0]
-    assert low < 0.1
-    t.forget("r")
-    for _ in range(30):  # other rounds of other requests that verified nothing teach nothing
-        t.observe("s", "greedy", verified=0, accepted=0)
+    assert low == pytest.approx(1 / 32)  # (0 + 2 * 0.5) / (30 + 2)
+    t.observe("s", "greedy", verified=0, accepted=0)  # verifying nothing teaches nothing
     assert t.global_rates("greedy")[0] == pytest.approx(low)
+    mine = t.conditional("r", "greedy")[0]
+    for _ in range(10):
+        t.tick()
+    assert t.global_rates("greedy")[0] == pytest.approx(1 / (30 * 0.9 ** 10 + 2))
+    assert t.conditional("r", "greedy")[0] > 5 * mine
 
 
 def test_confidence_correction_tracks_realised_rate():
