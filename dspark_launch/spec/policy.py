@@ -249,15 +249,13 @@ class VerifyPolicy:
         return choice.lengths
 
     def choose(self, keys: Sequence[object], classes: Sequence[str], limits: Sequence[int],
-               base_tokens: int, conf: Sequence[Sequence[float]] | None = None,
-               drafted: int = 0) -> list[int]:
-        """The lengths to verify, after drafting. `conf`: DSpark's raw c_{r,1..} (None for
-        the others, whose estimates are the tracker's); `drafted`: requests drafted (their
-        draft forward is paid already, a constant in every candidate's price)."""
+               base_tokens: int, conf: torch.Tensor | None = None, drafted: int = 0
+               ) -> list[int]:
+        """The lengths to verify, after drafting. `conf` [R, K]: DSpark's raw c_{r,1..K}
+        (None for the others, whose estimates are the tracker's); `drafted`: requests drafted
+        (their draft forward is paid already: a constant in every candidate's price)."""
         if conf is not None:
-            cal = apply_temperatures(torch.tensor([list(c) + [1.0] * (max(map(len, conf))
-                                                                      - len(c)) for c in conf]),
-                                     self.temperatures).tolist() if conf else []
+            cal = apply_temperatures(conf, self.temperatures).tolist()  # one device->host copy
             cond = [self.correction.apply(cls, row[:lim])
                     for cls, row, lim in zip(classes, cal, limits)]
         else:
