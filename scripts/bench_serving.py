@@ -39,6 +39,8 @@ def run_engine(args, algorithm: str, batch: int, prompts: Path, workdir: Path) -
         argv += ["--draft", args.dflash if algorithm == "DFLASH" else args.dspark]
     if args.block_size:
         argv += ["--block-size", str(args.block_size)]
+    if algorithm != "NONE":
+        argv += ["--speculative-policy", args.speculative_policy]
     rc = engine_main(argv)
     if rc != 0:
         raise SystemExit(f"{algorithm} batch {batch} failed with exit code {rc}")
@@ -118,6 +120,8 @@ def main() -> None:
     ap.add_argument("--algorithms", nargs="+", default=["NONE", "NGRAM", "DFLASH", "DSPARK"])
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--speculative-policy", choices=("adaptive", "fixed"), default="adaptive",
+                    help="verify-length policy of every speculative algorithm")
     ap.add_argument("--kv-cache-memory", default="256MiB")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--hf", action="store_true", help="add HF transformers generate() baseline")
@@ -164,7 +168,8 @@ def main() -> None:
             print(f"{batch:>5}  {name:9s} {r['tok_s']:7.1f}  {tau:>5}   "
                   f"{r.get('speedup_vs_none', 0):6.2f}x          {lossless}")
     meta = {"torch_threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
-            "num_prompts": len(rows), "model": args.model}
+            "num_prompts": len(rows), "model": args.model,
+            "speculative_policy": args.speculative_policy}
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     print(f"wrote {args.out}")
     if args.plot:

@@ -119,20 +119,25 @@ def fit_sts(
 
 class _Counts:
     """Per-position counts of drafts reached (verified with every earlier draft accepted) and
-    accepted; aged every step so that an estimate recovers when the text changes."""
+    accepted, aged by decay**steps lazily (only when read or added to)."""
 
-    def __init__(self, positions: int) -> None:
+    def __init__(self, positions: int, now: int) -> None:
         self.reached = [0.0] * positions
         self.accepted = [0.0] * positions
+        self.stamp = now
+
+    def at(self, now: int, decay: float) -> _Counts:
+        if now != self.stamp:
+            f = decay ** (now - self.stamp)
+            self.reached = [x * f for x in self.reached]
+            self.accepted = [x * f for x in self.accepted]
+            self.stamp = now
+        return self
 
     def add(self, verified: int, accepted: int) -> None:
         for i in range(min(verified, accepted + 1, len(self.reached))):
             self.reached[i] += 1.0
             self.accepted[i] += float(i < accepted)
-
-    def age(self, decay: float) -> None:
-        self.reached = [x * decay for x in self.reached]
-        self.accepted = [x * decay for x in self.accepted]
 
 
 class AcceptanceTracker:
@@ -154,27 +159,39 @@ class AcceptanceTracker:
         self.decay = decay
         self._global: dict[str, _Counts] = {}
         self._requests: dict[object, _Counts] = {}
+        self.now = 0  # steps so far
+        self._rates: dict[str, list[float]] = {}  # global rates this step, per class
 
     def observe(self, key: object, cls: str, verified: int, accepted: int) -> None:
         """One round of request `key`: `verified` drafts were verified, `accepted` accepted."""
         if verified <= 0:
             return
-        self._global.setdefault(cls, _Counts(self.positions)).add(verified, accepted)
-        self._requests.setdefault(key, _Counts(self.positions)).add(verified, accepted)
+        self._rates.pop(cls, None)
+        for table, k in ((self._global, cls), (self._requests, key)):
+            counts = table.get(k)
+            if counts is None:
+                counts = table[k] = _Counts(self.positions, self.now)
+            counts.at(self.now, self.decay).add(verified, accepted)
 
     def tick(self) -> None:
-        """One engine step has passed."""
-        for counts in (*self._global.values(), *self._requests.values()):
-            counts.age(self.decay)
+        """One engine step has passed (counts age lazily)."""
+        self.now += 1
+        self._rates.clear()
 
     def global_rates(self, cls: str) -> list[float]:
+        cached = self._rates.get(cls)
+        if cached is not None:
+            return cached
         counts = self._global.get(cls)
+        if counts is not None:
+            counts.at(self.now, self.decay)
         rates, prev = [], self.prior
         for i in range(self.positions):
             reached = counts.reached[i] if counts else 0.0
             acc = counts.accepted[i] if counts else 0.0
             prev = (acc + self.prior_weight * prev) / (reached + self.prior_weight)
             rates.append(prev)
+        self._rates[cls] = rates
         return rates
 
     def conditional(self, key: object, cls: str) -> list[float]:
@@ -183,9 +200,9 @@ class AcceptanceTracker:
         mine = self._requests.get(key)
         if mine is None:
             return g
+        mine.at(self.now, self.decay)
         m = self.request_weight
-        return [(mine.accepted[i] + m * g[i]) / (mine.reached[i] + m)
-                for i in range(self.positions)]
+        return [(a + m * gi) / (n + m) for a, n, gi in zip(mine.accepted, mine.reached, g)]
 
     def forget(self, key: object) -> None:
         self._requests.pop(key, None)

@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 CURVE_VERSION = 1
 MIN_SECONDS = 1e-6  # a forward never takes less; keeps 1/seconds finite
 
@@ -63,6 +65,7 @@ class CostCurve:
         self.seconds = [max(MIN_SECONDS, float(s)) for s in self.seconds]
         if not self.observations:
             self.observations = [0] * len(self.tokens)
+        self._arrays: tuple[np.ndarray, np.ndarray] | None = None  # cached for step_seconds
 
     # ------------------------------------------------------------------ reading
 
@@ -76,15 +79,23 @@ class CostCurve:
             lo += 1
         return lo, (n - t[lo]) / (t[lo + 1] - t[lo])
 
-    def step_seconds(self, n: float) -> float:
-        """Predicted seconds for one forward of n tokens."""
-        if len(self.tokens) == 1:
-            return self.seconds[0]
-        i, w = self._segment(n)
-        s0, s1 = self.seconds[i], self.seconds[i + 1]
-        if w > 1.0:
-            s1 = max(s1, s0)  # beyond the last point: never predict a faster forward
-        return max(MIN_SECONDS, s0 + w * (s1 - s0))
+    def step_seconds(self, n):
+        """Predicted seconds for one forward of n tokens (a number, or an array of them)."""
+        if self._arrays is None:
+            self._arrays = (np.asarray(self.tokens, dtype=np.float64),
+                            np.asarray(self.seconds, dtype=np.float64))
+        t, s = self._arrays
+        x = np.asarray(n, dtype=np.float64)
+        if len(t) == 1:
+            out = np.full_like(x, s[0])
+        else:
+            out = np.interp(x, t, s)
+            low = (s[1] - s[0]) / (t[1] - t[0])
+            high = max(0.0, (s[-1] - s[-2]) / (t[-1] - t[-2]))  # never faster beyond the end
+            out = np.where(x < t[0], s[0] + (x - t[0]) * low, out)
+            out = np.where(x > t[-1], s[-1] + (x - t[-1]) * high, out)
+        out = np.maximum(out, MIN_SECONDS)
+        return float(out) if out.ndim == 0 else out
 
     def steps_per_second(self, n: float) -> float:
         return 1.0 / self.step_seconds(n)
@@ -108,6 +119,7 @@ class CostCurve:
                 self.seconds[j] = max(MIN_SECONDS,
                                       self.seconds[j] * ((1 - rate) + rate * ratio))
                 self.observations[j] += 1
+        self._arrays = None
 
     # ------------------------------------------------------------------ (de)serialising
 

@@ -47,6 +47,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dspark_launch.spec.acceptance import (
@@ -75,31 +76,43 @@ def monotone(survival: Sequence[float]) -> list[float]:
     return out
 
 
+def _candidates(survival: Sequence[Sequence[float]]) -> tuple[np.ndarray, ...]:
+    """Every (r, j) with its a_{r,j}, sorted by the key (-a, r, j): falling survival, ties by
+    request then position, so each request's drafts come in prefix order."""
+    rows = [monotone(row) for row in survival]
+    a = np.array([x for row in rows for x in row], dtype=np.float64)
+    r = np.array([i for i, row in enumerate(rows) for _ in row], dtype=np.int64)
+    j = np.array([k for row in rows for k in range(len(row))], dtype=np.int64)
+    order = np.lexsort((j, r, -a))
+    return a[order], r[order], j[order]
+
+
+def _lengths(reqs: int, r: np.ndarray, j: np.ndarray, admitted: int) -> list[int]:
+    lengths = [0] * reqs
+    for ri, ji in zip(r[:admitted].tolist(), j[:admitted].tolist()):
+        assert lengths[ri] == ji, "survival order must respect each request's prefix order"
+        lengths[ri] = ji + 1
+    return lengths
+
+
 def choose_lengths(
     survival: Sequence[Sequence[float]],  # per request a_{r,1..L_r}; L_r = drafts available
     base_tokens: int,  # tokens in the forward before any draft (prefill chunks + anchors)
-    step_seconds: Callable[[int], float],  # predicted seconds of a step with n tokens
+    step_seconds: Callable,  # predicted seconds of a step with n tokens (n: array or number)
 ) -> Choice:
     """Algorithm 1: greedy admission by falling survival, stopping at the first candidate that
-    does not raise expected committed tokens per second."""
+    does not raise expected committed tokens per second.
+
+    theta_d (the objective with the first d candidates admitted) is evaluated for every d at
+    once, but the decision is the sequential walk's: admit d while theta_d > theta_{d-1}, stop
+    at the first d where it is not (nothing after that candidate is consulted)."""
     reqs = len(survival)
-    lengths = [0] * reqs
-    tau = float(reqs)  # every request commits at least its bonus token
-    tokens = base_tokens
-    if reqs == 0:
-        return Choice(lengths, tau, tokens)
-    best = tau / step_seconds(tokens)
-    candidates = sorted(
-        ((-a, r, j) for r, row in enumerate(survival) for j, a in enumerate(monotone(row))),
-    )
-    for neg_a, r, j in candidates:
-        assert lengths[r] == j, "survival order must respect each request's prefix order"
-        theta = (tau - neg_a) / step_seconds(tokens + 1)
-        if theta <= best:
-            break  # early stop: the first non-improving candidate ends the walk
-        best, tau, tokens = theta, tau - neg_a, tokens + 1
-        lengths[r] = j + 1
-    return Choice(lengths, tau, tokens)
+    a, r, j = _candidates(survival)
+    tau = reqs + np.concatenate([[0.0], np.cumsum(a)])  # [N+1] tau_d
+    theta = tau / step_seconds(base_tokens + np.arange(len(a) + 1))
+    worse = np.nonzero(theta[1:] <= theta[:-1])[0]
+    admitted = int(worse[0]) if worse.size else len(a)  # early stop at the first non-improver
+    return Choice(_lengths(reqs, r, j, admitted), float(tau[admitted]), base_tokens + admitted)
 
 
 def fixed_lengths(limits: Sequence[int], base_tokens: int) -> Choice:
@@ -110,29 +123,22 @@ def fixed_lengths(limits: Sequence[int], base_tokens: int) -> Choice:
 def best_prefix(
     survival: Sequence[Sequence[float]],
     base_tokens: int,
-    step_seconds: Callable[[int], float],
-    draft_seconds: Callable[[int], float],  # seconds to draft for n requests (0 for n = 0)
+    step_seconds: Callable,
+    draft_seconds: Callable,  # seconds to draft for n requests (arrays of n; 0 for n = 0)
 ) -> Choice:
     """The best number of admitted drafts when every estimate comes from PAST rounds only
-    (DFlash/NGRAM, and whether DSpark drafts at all): no early stop is needed for losslessness
-    here, so the whole walk is scanned, and the draft forward's cost (paid once for every request
-    that drafts) can make a longer prefix pay where the first candidate alone does not."""
+    (DFlash/NGRAM, and which requests DSpark drafts at all): no early stop is needed for
+    losslessness here, so every prefix of the walk is priced, and the draft forward's cost
+    (paid for every request that drafts) can make a longer prefix pay where the first
+    candidate alone does not."""
     reqs = len(survival)
-    cands = sorted((-a, r, j) for r, row in enumerate(survival)
-                   for j, a in enumerate(monotone(row)))
-    tau, best_tau, best_d = float(reqs), float(reqs), 0
-    drafting: set[int] = set()
-    best = tau / step_seconds(base_tokens) if reqs else 0.0
-    for d, (neg_a, r, _) in enumerate(cands, start=1):
-        tau -= neg_a
-        drafting.add(r)
-        theta = tau / (step_seconds(base_tokens + d) + draft_seconds(len(drafting)))
-        if theta > best:
-            best, best_tau, best_d = theta, tau, d
-    lengths = [0] * reqs
-    for _, r, j in cands[:best_d]:
-        lengths[r] = j + 1
-    return Choice(lengths, best_tau, base_tokens + best_d)
+    a, r, j = _candidates(survival)
+    d = np.arange(len(a) + 1)
+    tau = reqs + np.concatenate([[0.0], np.cumsum(a)])
+    drafting = np.concatenate([[0], np.cumsum(j == 0)])  # requests with a draft admitted
+    cost = step_seconds(base_tokens + d) + np.where(drafting > 0, draft_seconds(drafting), 0.0)
+    best = int(np.argmax(tau / cost)) if reqs else 0  # first maximum: the shortest prefix
+    return Choice(_lengths(reqs, r, j, best), float(tau[best]), base_tokens + best)
 
 
 # ---------------------------------------------------------------------- the per-group policy
@@ -231,9 +237,6 @@ class VerifyPolicy:
     def adaptive(self) -> bool:
         return self.mode == "adaptive"
 
-    def _draft_seconds(self, n: int) -> float:
-        return self.draft_curve.step_seconds(n) if n else 0.0
-
     def plan(self, keys: Sequence[object], classes: Sequence[str], limits: Sequence[int],
              base_tokens: int) -> list[int]:
         self._survival = {}
@@ -241,7 +244,8 @@ class VerifyPolicy:
             return list(limits)
         past = [survival_of(self.tracker.conditional(k, c)[:lim])
                 for k, c, lim in zip(keys, classes, limits)]
-        choice = best_prefix(past, base_tokens, self.curve.step_seconds, self._draft_seconds)
+        choice = best_prefix(past, base_tokens, self.curve.step_seconds,
+                             self.draft_curve.step_seconds)
         if sum(choice.lengths) == 0 and any(limits):
             self.metrics.skipped_drafts += 1
         if self.confidence:
@@ -268,7 +272,7 @@ class VerifyPolicy:
             return list(limits)
         if conf is None:
             return list(limits)  # decided in plan() from past rounds; drafts only cut short
-        sunk = self._draft_seconds(drafted)
+        sunk = self.draft_curve.step_seconds(drafted) if drafted else 0.0
         return choose_lengths(survival, base_tokens,
                               lambda n: self.curve.step_seconds(n) + sunk).lengths
 
