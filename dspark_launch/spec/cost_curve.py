@@ -147,24 +147,20 @@ def profile(
     run_forward: Callable[[int], None],  # runs ONE real target forward of n tokens
     points: Sequence[int],
     repeats: int = 3,
-    budget_s: float = 5.0,
     clock: Callable[[], float] = time.perf_counter,
 ) -> CostCurve:
     """Time the forward at each token count: one warm-up, then the median of `repeats` runs.
 
-    Stops adding repeats once `budget_s` is spent (every point still gets at least one timed
-    run, so the table is complete). Under DP attention `run_forward` must make every rank join
-    (idle groups with zero tokens), exactly like a real step."""
+    The number of forwards is fixed (no time budget), so every rank of a world runs the same
+    sequence of collectives; a handful of points x 4 forwards stays within a few seconds.
+    Under DP attention `run_forward` must make every rank join, exactly like a real step."""
     if not points:
         raise ValueError("profile needs at least one token count")
-    start = clock()
     times: list[float] = []
     for n in points:
         run_forward(n)  # warm-up: first-touch allocations, lazy kernels
         runs: list[float] = []
-        for r in range(repeats):
-            if r > 0 and clock() - start > budget_s:
-                break
+        for _ in range(repeats):
             t0 = clock()
             run_forward(n)
             runs.append(clock() - t0)
@@ -222,7 +218,6 @@ def profiled_curve(
     agree: Callable[[object], object] = lambda x: x,
     writer: bool = True,
     directory: Path | None = None,
-    budget_s: float = 5.0,
 ) -> tuple[CostCurve, str]:
     """The curve for --profile-cost-curve: (curve, source), source 'off', 'cache' or 'profiled'.
 
@@ -237,7 +232,7 @@ def profiled_curve(
     cached = agree(load_cached(key, directory))
     if cached is not None:
         return cached, "cache"
-    curve = agree(profile(run_forward, points, budget_s=budget_s))
+    curve = agree(profile(run_forward, points))
     if writer:
         store_cached(key, curve, machine, directory)
     return curve, "profiled"

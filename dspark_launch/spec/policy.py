@@ -318,3 +318,15 @@ def survival_of(cond: Sequence[float]) -> list[float]:
         a *= min(1.0, max(0.0, float(c)))
         out.append(a)
     return out
+
+
+def format_policy(report: dict) -> str:
+    """Summary lines: the policy's choices and its calibration check."""
+    calib = " ".join(f"{c['position']}:{c['predicted']:.2f}/{c['realised']:.2f}"
+                     for c in report.get("calibration", []))
+    return (f"speculative policy {report['policy']}: predicted tau {report['predicted_tau']:.2f}"
+            f" vs realised {report['realised_tau']:.2f} over {report['rounds']} rounds; drafts "
+            f"verified per round {report['chosen_lengths']}; draft forward skipped in "
+            f"{report['skipped_draft_steps']} steps\n"
+            f"verified tokens per step {report['verified_tokens_per_step']}\n"
+            f"survival per position, predicted/realised: {calib}")
