@@ -149,10 +149,11 @@ class AcceptanceTracker:
     verified lately borrow the rate of the position before them instead of staying stuck.
     Global counts are kept per class (greedy / sampled): sampled acceptance is lower. Every
     step ages all counts by `decay`, so a drafter written off (verifying nothing, hence
-    observing nothing) drifts back towards the prior and is probed again now and then."""
+    observing nothing) drifts back towards the prior and is probed again now and then. The
+    prior is optimistic on purpose: a drafter nobody has tried yet gets tried, and learnt."""
 
-    def __init__(self, positions: int, prior: float = 0.5, prior_weight: float = 2.0,
-                 request_weight: float = 4.0, decay: float = 0.98) -> None:
+    def __init__(self, positions: int, prior: float = 0.7, prior_weight: float = 2.0,
+                 request_weight: float = 4.0, decay: float = 0.99) -> None:
         self.positions = positions
         self.prior, self.prior_weight = prior, prior_weight
         self.request_weight = request_weight

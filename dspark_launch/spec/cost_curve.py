@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -49,12 +48,16 @@ def profile_points(max_tokens: int, count: int = 6) -> list[int]:
 
 @dataclass
 class CostCurve:
-    """Seconds per target forward at each profiled token count; piecewise-linear in between,
-    linear extrapolation (with the last segment's slope, never decreasing) beyond the ends."""
+    """Seconds of a step at n tokens = overhead + forward(n), where forward(n) is the table
+    (piecewise-linear in between, linear beyond the ends with the last segment's slope, never
+    decreasing) and `overhead` is what a real step costs besides the profiled forward
+    (scheduling, sampling, bookkeeping), learned online like the table's shape."""
 
     tokens: list[int]  # strictly increasing
-    seconds: list[float]  # same length, > 0
-    ema: float = 0.1  # weight of one online observation
+    seconds: list[float]  # same length, > 0: the forward alone
+    overhead: float = 0.0  # seconds a step adds to the forward, at any n
+    ema: float = 0.1  # weight of one online observation in the overhead
+    shape_rate: float = 0.01  # ... and in the neighbouring points' residual
     observations: list[int] = field(default_factory=list)  # per point, for reports
 
     def __post_init__(self) -> None:
@@ -80,7 +83,12 @@ class CostCurve:
         return lo, (n - t[lo]) / (t[lo + 1] - t[lo])
 
     def step_seconds(self, n):
-        """Predicted seconds for one forward of n tokens (a number, or an array of them)."""
+        """Predicted seconds of a step with n tokens (a number, or an array of them)."""
+        out = np.maximum(self.overhead + self.forward_seconds(n), MIN_SECONDS)
+        return float(out) if out.ndim == 0 else out
+
+    def forward_seconds(self, n) -> np.ndarray:
+        """The table alone at n (interpolated / extrapolated), as an array."""
         if self._arrays is None:
             self._arrays = (np.asarray(self.tokens, dtype=np.float64),
                             np.asarray(self.seconds, dtype=np.float64))
@@ -94,8 +102,7 @@ class CostCurve:
             high = max(0.0, (s[-1] - s[-2]) / (t[-1] - t[-2]))  # never faster beyond the end
             out = np.where(x < t[0], s[0] + (x - t[0]) * low, out)
             out = np.where(x > t[-1], s[-1] + (x - t[-1]) * high, out)
-        out = np.maximum(out, MIN_SECONDS)
-        return float(out) if out.ndim == 0 else out
+        return out
 
     def steps_per_second(self, n: float) -> float:
         return 1.0 / self.step_seconds(n)
@@ -103,21 +110,24 @@ class CostCurve:
     # ------------------------------------------------------------------ refining
 
     def observe(self, n: int, seconds: float) -> None:
-        """One measured forward of n tokens: move the neighbouring points towards it.
+        """One measured step of n tokens.
 
-        Each point moves by its interpolation weight times the EMA rate, multiplicatively by
-        the observed/predicted ratio, so one point's shape is kept while its level tracks the
-        measurements (an observation exactly at a point moves only that point)."""
+        The overhead moves towards (measured - table) at the EMA rate: a real step also pays
+        for what the profile does not run, at every n alike. What is left of the error moves
+        the two neighbouring points (by interpolation weight, at the slower shape rate), so
+        the table's shape follows the machine too (an observation exactly at a point moves
+        only that point)."""
         if n < 1 or seconds <= 0:
             return
-        ratio = seconds / self.step_seconds(n)
+        forward = float(self.forward_seconds(n))
+        self.overhead += self.ema * ((seconds - forward) - self.overhead)
+        err = seconds - (self.overhead + forward)
         i, w = self._segment(n)
         w = min(max(w, 0.0), 1.0)
         for j, weight in ((i, 1.0 - w), (i + 1, w)):
             if j < len(self.seconds) and weight > 0:
-                rate = self.ema * weight
                 self.seconds[j] = max(MIN_SECONDS,
-                                      self.seconds[j] * ((1 - rate) + rate * ratio))
+                                      self.seconds[j] + self.shape_rate * weight * err)
                 self.observations[j] += 1
         self._arrays = None
 
@@ -126,30 +136,33 @@ class CostCurve:
     def to_dict(self) -> dict:
         return {"version": CURVE_VERSION, "tokens": list(self.tokens),
                 "seconds": [round(s, 9) for s in self.seconds],
-                "steps_per_second": [round(1.0 / s, 3) for s in self.seconds],
+                "overhead_s": round(self.overhead, 9),
+                "steps_per_second": [round(1.0 / max(MIN_SECONDS, self.overhead + s), 3)
+                                     for s in self.seconds],
                 "observations": list(self.observations)}
 
     @classmethod
     def from_dict(cls, data: dict) -> CostCurve:
         if data.get("version") != CURVE_VERSION:
             raise ValueError(f"cost curve version {data.get('version')} != {CURVE_VERSION}")
-        return cls([int(n) for n in data["tokens"]], [float(s) for s in data["seconds"]])
+        return cls([int(n) for n in data["tokens"]], [float(s) for s in data["seconds"]],
+                   float(data.get("overhead_s", 0.0)))
 
     @classmethod
-    def flat(cls) -> CostCurve:
-        """No profile (--profile-cost-curve off before any step): every width costs the same,
-        so the policy verifies every draft with any chance of acceptance until the online
-        refinement has measured the real shape."""
-        return cls([1], [1e-3])
+    def flat(cls, points: Sequence[int] = (1,)) -> CostCurve:
+        """No profile (--profile-cost-curve off): every width costs the same until the online
+        refinement has measured the steps the engine really runs."""
+        return cls(list(points), [MIN_SECONDS] * len(points))
 
 
 def profile(
     run_forward: Callable[[int], None],  # runs ONE real target forward of n tokens
     points: Sequence[int],
-    repeats: int = 3,
+    repeats: int = 4,
     clock: Callable[[], float] = time.perf_counter,
 ) -> CostCurve:
-    """Time the forward at each token count: one warm-up, then the median of `repeats` runs.
+    """Time the forward at each token count: one warm-up, then the fastest of `repeats` runs
+    (on a shared machine the noise only ever adds time).
 
     The number of forwards is fixed (no time budget), so every rank of a world runs the same
     sequence of collectives; a handful of points x 4 forwards stays within a few seconds.
@@ -164,7 +177,7 @@ def profile(
             t0 = clock()
             run_forward(n)
             runs.append(clock() - t0)
-        times.append(statistics.median(runs))
+        times.append(min(runs))
     # A larger forward is never cheaper in expectation: smooth timing noise out.
     for i in range(1, len(times)):
         times[i] = max(times[i], times[i - 1])
@@ -225,7 +238,7 @@ def profiled_curve(
     first whether the cache holds a curve (then nobody profiles), else the profile itself, which
     every rank runs so that the forward's collectives match. Only the `writer` stores it."""
     if mode == "off":
-        return CostCurve.flat(), "off"
+        return CostCurve.flat(points), "off"
     if mode != "auto":
         raise ValueError(f"--profile-cost-curve={mode}: expected 'off' or 'auto'")
     key = cache_key({**machine, "points": list(points)})
