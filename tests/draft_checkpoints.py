@@ -98,8 +98,12 @@ def random_draft_tensors(raw: Mapping[str, Any], *, scale: float = 1.0, std: flo
         if r > 0:
             shapes.update({"markov_head.markov_w1.weight": (v, r),
                            "markov_head.markov_w2.weight": (v, r)})
-            if raw["markov_head_type"] == "gated":
-                shapes["markov_head.gate_proj.weight"] = (r, d + r)
+            if raw["markov_head_type"] == "gated":  # DeepSpec: a default nn.Linear
+                shapes.update({"markov_head.gate_proj.weight": (r, d + r),
+                               "markov_head.gate_proj.bias": (r,)})
+            if raw["markov_head_type"] == "rnn":
+                shapes.update({"markov_head.joint_proj.weight": (3 * r, 2 * r + d),
+                               "markov_head.joint_proj.bias": (3 * r,)})
         if raw["enable_confidence_head"]:
             conf_in = d + (r if raw["confidence_head_with_markov"] and r > 0 else 0)
             shapes.update({"confidence_head.proj.weight": (1, conf_in),

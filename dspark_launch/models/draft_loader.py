@@ -32,6 +32,8 @@ DRAFT_PACKED = {
 }
 TARGET_COPIES = ("embed_tokens.weight", "lm_head.weight")  # DSpark's frozen target copies
 MARKOV_TENSORS = ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight")
+# DeepSpec's default nn.Linear layers save these; a checkpoint without one means bias 0.
+OPTIONAL_BIASES = ("markov_head.gate_proj.bias", "markov_head.joint_proj.bias")
 
 
 def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
@@ -72,6 +74,15 @@ def check_draft_tensors(cfg: DraftConfig, target: ModelConfig,
                               f"the target's is {list(want)}")
 
 
+def _drop_absent_biases(model: DFlashDraft, shapes: dict[str, tuple[int, ...]]) -> None:
+    """A Markov projection whose bias the checkpoint lacks runs without one (= bias 0)."""
+    params = dict(model.named_parameters())
+    for name in OPTIONAL_BIASES:
+        if name in params and name not in shapes:
+            layer = model.get_submodule(name.rsplit(".", 1)[0])
+            layer.bias = None
+
+
 def load_draft(path: str | Path, target_config: ModelConfig,
                dtype: str | torch.dtype | None = None, device: torch.device | str = "cpu"
                ) -> DFlashDraft | DSparkDraft:
@@ -87,6 +98,7 @@ def load_draft(path: str | Path, target_config: ModelConfig,
         check_draft_tensors(cfg, target_config, shapes, source)
     model_cls = DSparkDraft if cfg.kind == DSPARK else DFlashDraft
     model = model_cls(cfg, parse_dtype(dtype, default=cfg.dtype), device)
+    _drop_absent_biases(model, shapes)
     unused = load_weights(model, path, packed=DRAFT_PACKED)
     allowed = TARGET_COPIES if cfg.kind == DSPARK else ()
     extra = sorted(k for k in unused if k not in allowed and not k.endswith("inv_freq"))

@@ -20,8 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark_launch.errors import ConfigError
-
 from .dflash import DFlashDraft
 from .draft_config import DraftConfig
 from .layers import ColumnParallelLinear, new_param
@@ -46,34 +44,69 @@ class _Table(nn.Module):
 
 
 class MarkovHead(nn.Module):
-    """Low-rank bigram correction B(prev, .) = W1[prev] W2^T (replicated: V*r is small)."""
+    """Per-slot logit correction bias_k(x_{k-1}, h_k[, s_{k-1}]) (replicated: V*r is small).
+
+    models.md §3, e = W1[x_{k-1}]:
+    - vanilla: bias = W2 e;
+    - gated:   bias = W2 (sigmoid(G [h; e] + g_b) * e);
+    - rnn:     a = J [s; e; h] + c split into g, u, o (r each); bias = W2 tanh(o) from the
+               OLD state; s' = sigmoid(g) * s + (1 - sigmoid(g)) * tanh(u); s_{-1} = 0.
+    The small projections run in fp32; the V x r product runs in W2's dtype (what DeepSpec's
+    module does) so no fp32 copy of W2 is made per slot.
+    """
 
     def __init__(self, cfg: DraftConfig, dtype: torch.dtype, device: torch.device | str
                  ) -> None:
         super().__init__()
         v, r, d = cfg.vocab_size, cfg.markov_rank, cfg.hidden_size
-        if cfg.markov_head_type == "rnn":
-            # models.md only says "GRU-like over [s; W1[x]; h]": running a guessed recurrence
-            # would draft silently worse tokens, so refuse until the exact update is pinned.
-            raise ConfigError("DSpark markov_head_type='rnn' is not supported (its recurrence "
-                              "is not pinned by the reference); use 'vanilla' or 'gated'")
-        self.head_type = cfg.markov_head_type
+        self.head_type, self.rank = cfg.markov_head_type, r
         self.markov_w1 = _Table(v, r, dtype, device)  # [V, r]
         self.markov_w2 = _replicated_linear(r, v, False, dtype, device)  # weight [V, r]
-        self.gate_proj = (_replicated_linear(d + r, r, False, dtype, device)
-                          if self.head_type == "gated" else None)  # weight [r, d+r]
+        # DeepSpec builds gate_proj / joint_proj as default nn.Linear layers, so real
+        # checkpoints carry their biases; the loader drops the bias of a checkpoint without
+        # one (bias 0).
+        self.gate_proj = (_replicated_linear(d + r, r, True, dtype, device)
+                          if self.head_type == "gated" else None)  # [r, d+r], [r]
+        self.joint_proj = (_replicated_linear(2 * r + d, 3 * r, True, dtype, device)
+                           if self.head_type == "rnn" else None)  # [3r, 2r+d], [3r]
 
     def embed(self, prev: torch.Tensor) -> torch.Tensor:  # [N] -> [N, r]
         return F.embedding(prev, self.markov_w1.weight)
 
-    def forward(self, prev: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """prev [N] int64 (, hidden [N, d]) -> bias [N, V] fp32."""
+    def initial_state(self, n: int, device: torch.device | str) -> torch.Tensor | None:
+        """s_{-1}: zeros [n, r] fp32 for the rnn head, None for the stateless heads."""
+        if self.joint_proj is None:
+            return None
+        return torch.zeros((n, self.rank), dtype=torch.float32, device=device)
+
+    def forward(self, prev: torch.Tensor, hidden: torch.Tensor | None,
+                state: torch.Tensor | None, vocab: slice | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """prev [N] int64, hidden [N, d], state [N, r] | None -> (bias [N, V'] fp32, state').
+
+        vocab: only these columns (a contiguous id range) of the bias, e.g. one rank's shard.
+        """
         e = self.embed(prev).float()  # [N, r]
         if self.gate_proj is not None:
             assert hidden is not None, "the gated Markov head reads the slot's hidden state"
             gate_in = torch.cat([hidden.float(), e], dim=-1)  # [N, d+r]
-            e = torch.sigmoid(F.linear(gate_in, self.gate_proj.weight.float())) * e
-        return F.linear(e, self.markov_w2.weight.float())  # [N, V]
+            e = torch.sigmoid(_linear_f32(self.gate_proj, gate_in)) * e
+        elif self.joint_proj is not None:
+            assert hidden is not None and state is not None, \
+                "the rnn Markov head reads the slot's hidden state and the block's state"
+            z = torch.cat([state.float(), e, hidden.float()], dim=-1)  # [N, 2r+d], this order
+            g, u, o = _linear_f32(self.joint_proj, z).split(self.rank, dim=-1)  # [N, r] each
+            keep = torch.sigmoid(g)
+            state = keep * state.float() + (1.0 - keep) * torch.tanh(u)  # the NEXT slot's s
+            e = torch.tanh(o)  # from the old state: z held s_{k-1}
+        w2 = self.markov_w2.weight if vocab is None else self.markov_w2.weight[vocab]  # [V', r]
+        return F.linear(e.to(w2.dtype), w2).float(), state  # [N, V']
+
+
+def _linear_f32(layer: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
+    """x [N, in] fp32 through a small replicated linear layer, in fp32 (with its bias)."""
+    bias = layer.bias.float() if layer.bias is not None else None
+    return F.linear(x, layer.weight.float(), bias)
 
 
 class ConfidenceHead(nn.Module):
@@ -101,13 +134,27 @@ class DSparkDraft(DFlashDraft):
         self.confidence_head = (ConfidenceHead(conf_in, dtype, device)
                                 if cfg.has_confidence_head else None)
 
-    def markov_bias(self, prev: torch.Tensor, hidden: torch.Tensor | None = None
-                    ) -> torch.Tensor:
-        """prev [N] int64 (, hidden [N, d] for the gated head) -> [N, V] fp32; 0 at rank 0."""
+    def markov_state(self, n: int, device: torch.device | str) -> torch.Tensor | None:
+        """The Markov state before slot 0 of a block, for n requests: zeros [n, r] for the
+        rnn head (reset every block), None for vanilla / gated / no head."""
+        return None if self.markov_head is None else self.markov_head.initial_state(n, device)
+
+    def markov_step(self, prev: torch.Tensor, hidden: torch.Tensor,
+                    state: torch.Tensor | None, vocab: slice | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One slot of the left-to-right walk: l_k = U_k + bias_k.
+
+        prev [N] int64 (x_{k-1}; the anchor at k = 0), hidden [N, d] (h_k, final-normed),
+        state from markov_state / the previous step -> (bias [N, V'] fp32, next state).
+        vocab: a contiguous slice of ids (e.g. one rank's vocab shard): only those columns
+        are computed. Without a Markov head the bias is 0.
+        """
         if self.markov_head is None:
-            return torch.zeros((prev.shape[0], self.config.vocab_size), dtype=torch.float32,
-                               device=prev.device)
-        return self.markov_head(prev, hidden)
+            cols = self.config.vocab_size if vocab is None else \
+                len(range(self.config.vocab_size)[vocab])
+            return torch.zeros((prev.shape[0], cols), dtype=torch.float32,
+                               device=prev.device), state
+        return self.markov_head(prev, hidden, state, vocab)
 
     def confidence(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """hidden [N, d], prev [N] -> c [N] fp32 in (0, 1); all ones without a head."""
@@ -139,9 +186,11 @@ class DSparkDraft(DFlashDraft):
         q_probs = torch.empty((r_count, block, vocab), dtype=torch.float32, device=device)
         conf = torch.empty((r_count, block), dtype=torch.float32, device=device)
         prev = anchors.to(device=device, dtype=torch.int64)  # x_{-1} = the anchor
+        state = self.markov_state(r_count, device)  # reset every block
         for k in range(block):
             h_k = hidden[:, k]  # [R, d]
-            logits = base_logits[:, k].float() + self.markov_bias(prev, h_k)  # [R, V]
+            bias, state = self.markov_step(prev, h_k, state)  # [R, V]
+            logits = base_logits[:, k].float() + bias
             conf[:, k] = self.confidence(h_k, prev)
             tokens[:, k], q_probs[:, k] = _draw(logits, temps, generators)
             prev = tokens[:, k]  # the token actually drafted seeds the next slot

@@ -11,6 +11,7 @@ accepted blocks even with random weights (greedy output of a tiny random model r
 from __future__ import annotations
 
 from dspark_launch.spec.proposer import Proposal, Proposer
+from dspark_launch.spec.sampling import SamplingRows
 
 
 def lookup(ids: list[int], max_n: int, k: int) -> list[int]:
@@ -97,9 +98,9 @@ class NgramProposer(Proposer):
         index.extend(out[have - len(prompt):])
         return index
 
-    def propose(self, reqs: list, limits: list[int], temperature: list[float]) -> Proposal:
+    def propose(self, reqs: list, limits: list[int], rows: SamplingRows) -> Proposal:
         if len(self._index) > 4 * len(reqs) + 64:  # drop finished requests' indexes
             live = {id(r) for r in reqs}
             self._index = {k: v for k, v in self._index.items() if k in live}
         tokens = [self._index_of(r).propose(k) for r, k in zip(reqs, limits)]
-        return Proposal(tokens, [None] * len(reqs))
+        return Proposal.from_lists(tokens, rows.keys.device)  # a point mass at each draft

@@ -45,6 +45,7 @@ def _unfused(model) -> dict[str, torch.Tensor]:
     ("DFLASH", {"num_layers": 2}),
     ("DSPARK", {"num_layers": 2, "markov_rank": 8}),
     ("DSPARK", {"num_layers": 1, "markov_rank": 4, "head_type": "gated"}),
+    ("DSPARK", {"num_layers": 1, "markov_rank": 4, "head_type": "rnn"}),
     ("DSPARK", {"num_layers": 1, "markov_rank": 0, "confidence": False}),
 ])
 def test_key_set_and_shapes_round_trip(tmp_path, kind, options):
@@ -137,9 +138,18 @@ def test_layer_ids_beyond_target_refused_at_load(tmp_path):
     assert "target_layer_ids=[1, 3]" in msg and "num_hidden_layers=4" in msg
 
 
-def test_rnn_head_is_refused_by_name(tmp_path):
-    msg = _refused(tmp_path, head_type="rnn")
-    assert "rnn" in msg
+@pytest.mark.parametrize("head_type,bias", [("gated", "markov_head.gate_proj.bias"),
+                                             ("rnn", "markov_head.joint_proj.bias")])
+def test_checkpoint_without_projection_bias_loads_with_bias_zero(tmp_path, head_type, bias):
+    path = write_draft(tmp_path / "d", TARGET, "DSPARK", head_type=head_type, drop=[bias])
+    proj = load_draft(path, TARGET).get_submodule(bias.rsplit(".", 1)[0])
+    assert proj.bias is None  # F.linear without a bias: exactly bias 0
+
+
+def test_projection_bias_with_wrong_shape_is_named(tmp_path):
+    msg = _refused(tmp_path, head_type="gated",
+                   replace={"markov_head.gate_proj.bias": torch.zeros(5)})
+    assert "markov_head.gate_proj.bias" in msg and "[5]" in msg and "[8]" in msg
 
 
 def test_no_config_json(tmp_path):

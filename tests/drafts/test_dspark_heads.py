@@ -36,7 +36,7 @@ def test_bias_is_w1_prev_times_w2(tmp_path):
     head = draft.markov_head
     prev = torch.tensor([0, 7, 255, 7])
     expected = head.markov_w1.weight[prev] @ head.markov_w2.weight.T  # [N, V]
-    torch.testing.assert_close(draft.markov_bias(prev), expected)
+    torch.testing.assert_close(draft.markov_step(prev, None, None)[0], expected)
 
 
 def test_anchor_seeds_step0_and_sampled_token_seeds_next(tmp_path):
@@ -46,7 +46,7 @@ def test_anchor_seeds_step0_and_sampled_token_seeds_next(tmp_path):
     tokens, _, _ = draft.sample_block(base, hidden, anchors, 0.0)
     prev = anchors
     for k in range(5):
-        expected = (base[:, k] + draft.markov_bias(prev)).argmax(-1)
+        expected = (base[:, k] + draft.markov_step(prev, None, None)[0]).argmax(-1)
         assert torch.equal(tokens[:, k], expected)
         prev = tokens[:, k]
     # The head really changes the answer here (otherwise the check above is vacuous).
@@ -100,7 +100,7 @@ def test_sampling_returns_the_corrected_distribution(tmp_path):
     tokens, q, _ = run(11)
     prev = anchors
     for k in range(6):
-        expected = torch.softmax((base[:, k] + draft.markov_bias(prev)) / 0.7, -1)
+        expected = torch.softmax((base[:, k] + draft.markov_step(prev, None, None)[0]) / 0.7, -1)
         torch.testing.assert_close(q[:, k], expected)
         prev = tokens[:, k]
     again, _, _ = run(11)
@@ -125,5 +125,7 @@ def test_gated_head(tmp_path):
     _, hidden, prev = _inputs(3, 1)
     h = hidden[:, 0]
     e = head.markov_w1.weight[prev]
-    gate = torch.sigmoid(torch.cat([h, e], -1) @ head.gate_proj.weight.T)
-    torch.testing.assert_close(draft.markov_bias(prev, h), (gate * e) @ head.markov_w2.weight.T)
+    gate = torch.sigmoid(torch.cat([h, e], -1) @ head.gate_proj.weight.T
+                         + head.gate_proj.bias)
+    want = (gate * e) @ head.markov_w2.weight.T
+    torch.testing.assert_close(draft.markov_step(prev, h, None)[0], want)
