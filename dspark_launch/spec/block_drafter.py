@@ -83,7 +83,7 @@ class DSparkProposer(DFlashProposer):
         h = self._block_hidden(reqs)  # [R, B, d]
         anchors = torch.tensor([q.anchor for q in reqs], dtype=torch.int64).to(h.device)
         tokens, q, conf = walk_block(self.draft, self.target.lm_head, h, anchors, rows)
-        return Proposal(tokens, list(limits), q, confident_length(conf, self.threshold))
+        return Proposal(tokens, list(limits), q, confident_length(conf, self.threshold), conf)
 
 
 def confident_length(conf: torch.Tensor, threshold: float) -> torch.Tensor | None:

@@ -19,6 +19,9 @@ class Proposal:
     # [R] int64 on the device: drafts that may be accepted (DSpark's confidence cut, decided
     # on the device, so the host never waits for it); None: all `widths` drafts.
     keep: torch.Tensor | None = None
+    # [R, K] fp32 on the device: DSpark's raw confidence c_k of each draft (read with the
+    # draft before it), for the verify-length policy; None for drafters without a head.
+    conf: torch.Tensor | None = None
 
     @classmethod
     def from_lists(cls, tokens: list[list[int]], device: torch.device | str) -> Proposal:

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from dspark_launch.engine.request import Request, RequestSpec
 from dspark_launch.spec.ngram import NgramIndex, NgramProposer, lookup
+from dspark_launch.spec.sampling import SamplingRows
 
 
 @settings(max_examples=300, deadline=None)
@@ -32,11 +33,16 @@ def test_loop_proposes_whole_block():
 
 def test_proposer_follows_requests_as_they_grow():
     prompt = (3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5)
-    reqs = [Request(RequestSpec(i, f"r{i}", prompt[i:], 32, 0.0)) for i in range(3)]
+    reqs = [Request(RequestSpec(i, f"r{i}", prompt[i:]), 0.0, i) for i in range(3)]
     prop = NgramProposer(block_size=6, max_n=3)
     tails = [[1, 4, 1], [5, 9], [3, 5, 3, 5]]
+    limits = [5, 3, 0]
     for step in range(4):
         for r, tail in zip(reqs, tails):
             r.output_ids.extend(tail[step % len(tail):][:2])
-        got = prop.propose(reqs, [5, 3, 0], [0.0] * 3).tokens
-        assert got == [lookup(r.all_ids, 3, k) for r, k in zip(reqs, [5, 3, 0])]
+        rows = SamplingRows.build([r.params for r in reqs], [r.key for r in reqs],
+                                  [len(r.output_ids) for r in reqs], "cpu")
+        got = prop.propose(reqs, limits, rows)
+        want = [lookup(r.all_ids, 3, k) for r, k in zip(reqs, limits)]
+        assert got.widths == [len(w) for w in want]
+        assert [t[:n] for t, n in zip(got.tokens.tolist(), got.widths)] == want
