@@ -235,13 +235,14 @@ class Engine:
             return None, 0
         t0 = time.perf_counter()
         limits = [self._draft_limit(r) for r in decode]
-        if self.policy is not None:
+        sub = list(range(len(decode)))
+        if self.policy is not None and self.policy.adaptive:
             limits = self.policy.plan([r.index for r in decode],
                                       [request_class(r) for r in decode], limits,
                                       self._base_tokens(plan))
-        sub = [i for i, n in enumerate(limits) if n > 0]
-        if not sub:
-            return None, 0
+            sub = [i for i, n in enumerate(limits) if n > 0]
+            if not sub:
+                return None, 0
         reqs = [decode[i] for i in sub]
         proposal = self.proposer.propose(reqs, [limits[i] for i in sub],
                                          self._request_rows(reqs))

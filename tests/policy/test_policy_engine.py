@@ -40,12 +40,6 @@ MAX_NEW = 40
 BLOCK = 6  # DFLASH: 5 drafts per round
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    # Profiles of these tests go to a private cache (forked ranks inherit the environment).
-    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "cache"))
-
-
 def full_sequences(tiny, prompts, max_new):
     ref = reference(tiny, prompts, max_new)
     return {i: p + o for i, (p, o) in enumerate(zip(prompt_ids(prompts), ref))}, ref
