@@ -217,17 +217,17 @@ class Probe:
     when the job shuts it down, and the acceptance calls (what each verify could accept)."""
 
     def install(self) -> None:
+        import dspark_launch.engine.accept as accept_mod
         import dspark_launch.engine.build as build_mod
-        import dspark_launch.engine.engine as engine_mod
 
         self._saved = [(build_mod, "Engine", build_mod.Engine),
-                       (engine_mod, "greedy_accept", engine_mod.greedy_accept),
-                       (engine_mod, "rejection_accept", engine_mod.rejection_accept)]
+                       (accept_mod, "greedy_accept", accept_mod.greedy_accept),
+                       (accept_mod, "rejection_accept", accept_mod.rejection_accept)]
         self.after: dict = {}
         self.verifies: list[tuple[int, int, int]] = []  # (step, draft_len, accept_len)
         probe = self
         base = build_mod.Engine
-        real_greedy, real_rejection = engine_mod.greedy_accept, engine_mod.rejection_accept
+        real_greedy, real_rejection = accept_mod.greedy_accept, accept_mod.rejection_accept
 
         class ProbeEngine(base):
             def __init__(self, *args, **kwargs):
@@ -272,8 +272,8 @@ class Probe:
             return acc, nxt
 
         build_mod.Engine = ProbeEngine
-        engine_mod.greedy_accept = recording_greedy
-        engine_mod.rejection_accept = recording_rejection
+        accept_mod.greedy_accept = recording_greedy
+        accept_mod.rejection_accept = recording_rejection
         self.step = -1
 
     def uninstall(self) -> None:
@@ -336,14 +336,12 @@ def make_drafter(base, full: dict[int, list[int]], mode: str, k: int = 5, vocab:
 
             proposal = base.propose(self, reqs, limits, rows)
             raw = proposal.tokens.tolist()  # test-only host reads
-            keep = proposal.keep.tolist() if proposal.keep is not None else None
             tokens = []
             for i, (req, lim) in enumerate(zip(reqs, limits)):
                 mine = raw[i][:proposal.widths[i]]
                 if hasattr(self, "block_size"):
                     TestDrafter.log["raw"].append((req.index, req.kv_len, list(raw[i])))
-                    TestDrafter.log["kept"].append(
-                        (req.index, len(raw[i]) if keep is None else keep[i]))
+                    TestDrafter.log["kept"].append((req.index, proposal.widths[i]))
                 seq, pos = full.get(req.index), len(req.all_ids)
                 if seq is not None:
                     assert seq[:pos] == req.all_ids, "the engine committed a non-greedy token"
@@ -401,9 +399,9 @@ def _drive_rank(rank: int, tp: int, dp: int, engine_args, arrivals: list[Arrival
     (or, with `alone`, each add on its own, run to completion before the next), step until
     idle. Returns every step's outputs, the device->host copies per step, the pool state."""
     from dspark_launch.args import RunConfig
-    from dspark_launch.engine import transfer
     from dspark_launch.engine.build import build_engine
     from dspark_launch.parallel import init_parallel_runtime
+    from dspark_launch.spec import transfer
 
     init_parallel_runtime(RunConfig(tp_size=tp, attn_dp_size=dp, device="cpu"))
     engine = build_engine(engine_args)

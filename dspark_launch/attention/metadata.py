@@ -42,9 +42,20 @@ class ForwardMetadata:
         )
 
 
+def upload(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Host values -> a tensor on `device` without making the host wait: on CUDA through
+    pinned memory and a non-blocking copy (a pageable copy synchronises the stream, which
+    would stall the step once per call); elsewhere a plain tensor."""
+    device = torch.device(device)
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _indptr(lens: list[int], device: torch.device) -> torch.Tensor:
     # Prefix sums in Python: one small tensor instead of zeros + cumsum + copy.
-    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64, device=device)
+    return upload([0, *itertools.accumulate(lens)], torch.int64, device)
 
 
 def build_metadata(
@@ -72,8 +83,8 @@ def build_metadata(
         # Everything comes from host-side lengths: one host->device copy of the lengths, then
         # gathers sized by host-known totals (no boolean masks, no device reads).
         b, total_q, total_kv = len(slots), sum(q_lens), sum(kv_lens)
-        host = torch.tensor([slots, prefix_lens, q_lens, kv_lens], dtype=torch.int64)
-        slot_t, pre_t, q_t, kv_t = host.to(req_to_token.device).unbind(0)  # [B] each
+        lens = upload([slots, prefix_lens, q_lens, kv_lens], torch.int64, req_to_token.device)
+        slot_t, pre_t, q_t, kv_t = lens.unbind(0)  # [B] each
         req = torch.arange(b, device=slot_t.device)
         # kv entry -> (its request, its position): positions 0..kv_len-1 of each request.
         kv_req = torch.repeat_interleave(req, kv_t, output_size=total_kv)  # [sum kv]

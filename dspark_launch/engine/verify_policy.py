@@ -134,5 +134,4 @@ def spread(proposal: Proposal, index: list[int], total: int) -> Proposal:
     for i, w in zip(index, proposal.widths):
         widths[i] = w
     return dataclasses.replace(proposal, tokens=scatter(proposal.tokens), widths=widths,
-                               q=scatter(proposal.q), keep=scatter(proposal.keep),
-                               conf=scatter(proposal.conf))
+                               q=scatter(proposal.q), conf=scatter(proposal.conf))

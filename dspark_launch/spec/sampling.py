@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark_launch.attention import upload
+
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (engine.params.GREEDY_BELOW)
 
 
@@ -35,13 +37,13 @@ class SamplingRows:
         """params: per row an object with temperature, top_k, top_p (a SamplingParams)."""
         n = len(params)
         greedy = [p.temperature < GREEDY_EPS for p in params]
-        ints = torch.tensor([keys, positions, [p.top_k for p in params]],
-                            dtype=torch.int64).reshape(3, n).to(device)
+        ints = upload([keys, positions, [p.top_k for p in params]], torch.int64,
+                      device).reshape(3, n)
         if all(greedy):
             return cls(n, True, True, False, False, None, None, None, None, ints[0], ints[1])
-        floats = torch.tensor([[1.0 if g else p.temperature for p, g in zip(params, greedy)],
-                               [p.top_p for p in params], [float(g) for g in greedy]],
-                              dtype=torch.float32).reshape(3, n).to(device)
+        floats = upload([[1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                         [p.top_p for p in params], [float(g) for g in greedy]],
+                        torch.float32, device).reshape(3, n)
         return cls(n, False, any(greedy), any(p.top_k > 0 for p in params),
                    any(p.top_p < 1.0 for p in params), floats[0], floats[1], ints[2],
                    floats[2] > 0.5, ints[0], ints[1])

@@ -1,7 +1,7 @@
 """Sampling is lossless (issue 8): on a vocabulary of 16, the committed tokens of DFLASH and
 DSPARK at temperature 1 follow the target's exact distribution (chi-square, p > 1e-3, fixed
 seeds so deterministic); the same seed gives the same sampled output at tp1 and tp2; DSpark's
-confidence threshold cuts what a round may accept and tau counts the cut rounds."""
+confidence threshold truncates verify blocks and tau counts the truncated rounds."""
 
 from __future__ import annotations
 
@@ -134,21 +134,21 @@ def test_confidence_threshold_truncates_verify(tiny, tmp_path, threshold):
         # one confidence cut per round, rounds counted in tau
         assert len(kept[i]) == len(rec["accept_lens"]) == rec["rounds"]
         for n_kept, n_verified, acc in zip(kept[i], drafts[i], rec["accept_lens"]):
-            assert 1 <= acc <= min(n_kept, n_verified) + 1
+            assert n_verified <= n_kept
+            assert 1 <= acc <= n_kept + 1
             if n_kept == 0:
-                assert acc == 1  # nothing acceptable: the round commits exactly the bonus
+                assert acc == 1  # an anchor-only verify commits exactly the bonus
     all_kept = [n for v in kept.values() for n in v]
     if threshold == 0:
-        assert set(all_kept) == {block}
+        assert max(all_kept) == block
     elif threshold == 0.5:
         assert 0 in all_kept and any(0 < n < block for n in all_kept)
     else:
         assert set(all_kept) == {0}
         assert job.metrics["mean_tau"] == 1.0
-    # The drafts acceptance may take are the cut lengths (capped by room left); the cut is
-    # applied on the device, so the verify itself keeps its host-known width.
+    # The verify widths the engine used are the cut lengths (capped by room left).
     widths = sorted(n for _, n, _ in job.probes[0]["verifies"])
-    assert widths == sorted(min(k, d) for i in kept for k, d in zip(kept[i], drafts[i]))
+    assert widths == sorted(n for v in drafts.values() for n in v)
     rounds = [n for r in job.records for n in r["accept_lens"]]
     assert job.metrics["rounds"] == len(all_kept) == len(rounds)
     assert job.metrics["mean_tau"] == pytest.approx(sum(rounds) / len(rounds))
