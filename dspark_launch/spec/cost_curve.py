@@ -27,6 +27,8 @@ import numpy as np
 
 CURVE_VERSION = 1
 MIN_SECONDS = 1e-6  # a forward never takes less; keeps 1/seconds finite
+OUTLIER_RATIO = 2.0  # an observation counts as at most this factor off the prediction ...
+OUTLIER_AFTER = 8  # ... once the curve has this many observations
 
 
 def profile_points(max_tokens: int, count: int = 6) -> list[int]:
@@ -119,6 +121,11 @@ class CostCurve:
         only that point)."""
         if n < 1 or seconds <= 0:
             return
+        if sum(self.observations) >= OUTLIER_AFTER:
+            # A shared machine stalls now and then: one stall must not move the curve by more
+            # than a bounded step (a policy that stops drafting stops measuring the draft).
+            predicted = self.step_seconds(n)
+            seconds = min(max(seconds, predicted / OUTLIER_RATIO), predicted * OUTLIER_RATIO)
         forward = float(self.forward_seconds(n))
         self.overhead += self.ema * ((seconds - forward) - self.overhead)
         err = seconds - (self.overhead + forward)

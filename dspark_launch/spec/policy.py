@@ -58,6 +58,7 @@ from dspark_launch.spec.acceptance import (
 from dspark_launch.spec.cost_curve import CostCurve, profile_points
 
 POLICIES = ("adaptive", "fixed")
+PROBE_EVERY = 32  # steps without drafting before one probe step (see VerifyPolicy.plan)
 
 
 @dataclass(frozen=True)
@@ -232,6 +233,7 @@ class VerifyPolicy:
         self.correction = ConfidenceCorrection(positions)
         self.metrics = PolicyMetrics(positions)
         self._survival: dict[object, list[float]] = {}  # this step's a_{r,1..} per request
+        self._idle = 0  # consecutive steps planned without any draft
 
     @property
     def adaptive(self) -> bool:
@@ -247,7 +249,16 @@ class VerifyPolicy:
         choice = best_prefix(past, base_tokens, self.curve.step_seconds,
                              self.draft_curve.step_seconds)
         if sum(choice.lengths) == 0 and any(limits):
+            self._idle += 1
+            if self._idle >= PROBE_EVERY:
+                # Probe: what would pay if drafting were free, so the draft's cost (and the
+                # acceptance) is measured again; one step in PROBE_EVERY at most.
+                choice = best_prefix(past, base_tokens, self.curve.step_seconds,
+                                     lambda n: np.zeros_like(n, dtype=np.float64))
+        if sum(choice.lengths) == 0 and any(limits):
             self.metrics.skipped_drafts += 1
+        else:
+            self._idle = 0
         if self.confidence:
             return list(limits) if sum(choice.lengths) else [0] * len(limits)
         return choice.lengths

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dspark_launch.spec.cost_curve import (
+    OUTLIER_RATIO,
     CostCurve,
     cache_key,
     load_cached,
@@ -98,3 +99,13 @@ def test_cache_round_trip(tmp_path):
     assert load_cached(cache_key({"x": 1}), tmp_path) is None
     off, src = profiled_curve("off", machine, forward, [1, 2], directory=tmp_path)
     assert src == "off" and off.step_seconds(1) == off.step_seconds(2)
+
+
+def test_one_stall_moves_the_curve_a_bounded_step():
+    c = CostCurve([1, 8], [1.0, 2.0])
+    for _ in range(20):
+        c.observe(8, 2.0)
+    before = c.step_seconds(8)
+    c.observe(8, 1000.0)  # a stall: counted as at most OUTLIER_RATIO x the prediction
+    # overhead moves by ema x the clipped error, the point by shape_rate x what is left
+    assert c.step_seconds(8) <= before * (1 + (OUTLIER_RATIO - 1) * (c.ema + c.shape_rate))

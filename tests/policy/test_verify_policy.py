@@ -71,3 +71,24 @@ def test_fixed_policy_verifies_everything_and_still_predicts():
     assert verified == [REQS * LIMIT] * 30
     report = merge_metrics([policy.metrics.to_dict()])
     assert report["realised_tau"] == 1.0 and report["predicted_tau"] > 1.0
+
+
+def test_a_stall_does_not_stop_speculation_for_good():
+    """One draft step that took 100x its usual time (a stalled shared machine) may stop
+    drafting for a while, but a probe measures the draft again and drafting resumes."""
+    policy = make_policy()
+    keys, classes, limits = list(range(REQS)), ["greedy"] * REQS, [LIMIT] * REQS
+    drafted_steps = []
+    for step in range(200):
+        plan = policy.plan(keys, classes, limits, REQS)
+        lengths = policy.choose(keys, classes, plan, REQS)
+        drafted = sum(1 for n in plan if n)
+        for k, n in zip(keys, lengths):
+            policy.record(k, "greedy", n, n)  # an oracle: every draft accepted
+        tokens = REQS + sum(lengths)
+        draft_s = 0.05 * (100 if step == 20 else 1)
+        policy.record_step(tokens, tokens, policy.curve.step_seconds(tokens), drafted,
+                           draft_s if drafted else 0.0)
+        drafted_steps.append(drafted > 0)
+    assert all(drafted_steps[:20])
+    assert all(drafted_steps[-50:])  # back to drafting every step
