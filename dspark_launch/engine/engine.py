@@ -87,6 +87,7 @@ class Engine:
         # The verify-length policy (engine/verify_policy.py; None: verify every draft), and
         # what it learns from: the last step's tokens and its (forward, draft) microseconds.
         self.policy = None
+        self._draft_s = 0.0
         self._timing = (0, 0)
         self._last_tokens: tuple[int, int, int] | None = None  # decode, forward, drafted
 
@@ -254,14 +255,16 @@ class Engine:
         if proposal is None:
             return [0] * len(decode)
         widths = [min(w, self._draft_limit(r)) for r, w in zip(decode, proposal.widths)]
-        if self.policy is not None:
+        if self.policy is not None and self.policy.adaptive:
+            # DSpark: the confidences come to the host (one small read), since the verify's
+            # width must be host-known, as for the confidence cut.
             chosen = self.policy.choose([r.index for r in decode],
                                         [request_class(r) for r in decode], widths,
                                         self._base_tokens(plan), proposal.conf, drafted)
             widths = [min(w, c) for w, c in zip(widths, chosen)]
         return widths
 
-    def _learn_step(self, flags) -> None:
+    def _learn_step(self, flags: Flags) -> None:
         """Refine the policy's curves with the last step's agreed times (every rank alike)."""
         if self.policy is not None and self._last_tokens is not None and flags.forward_us:
             decode, forward, drafted = self._last_tokens
