@@ -152,7 +152,7 @@ class AcceptanceTracker:
     observing nothing) drifts back towards the prior and is probed again now and then. The
     prior is optimistic on purpose: a drafter nobody has tried yet gets tried, and learnt."""
 
-    def __init__(self, positions: int, prior: float = 0.7, prior_weight: float = 2.0,
+    def __init__(self, positions: int, prior: float = 0.7, prior_weight: float = 8.0,
                  request_weight: float = 4.0, decay: float = 0.99) -> None:
         self.positions = positions
         self.prior, self.prior_weight = prior, prior_weight
@@ -214,7 +214,7 @@ class ConfidenceCorrection:
     confidences (per class), so DSpark's estimates stay honest at temperatures or on text the
     calibration never saw. Starts at 1 (trust the calibration) and is shrunk towards it."""
 
-    def __init__(self, positions: int, weight: float = 8.0, decay: float = 0.99) -> None:
+    def __init__(self, positions: int, weight: float = 4.0, decay: float = 0.99) -> None:
         self.positions, self.weight, self.decay = positions, weight, decay
         self._pred: dict[str, list[float]] = {}
         self._acc: dict[str, list[float]] = {}
@@ -233,9 +233,16 @@ class ConfidenceCorrection:
             sums[:] = [x * self.decay for x in sums]
 
     def ratios(self, cls: str) -> list[float]:
+        """Per position, shrunk towards the position before it (the first towards 1): a
+        position rarely reached borrows its predecessor's evidence instead of trusting the
+        head (an over-confident head fails at every position alike)."""
         pred = self._pred.get(cls, [0.0] * self.positions)
         acc = self._acc.get(cls, [0.0] * self.positions)
-        return [(a + self.weight) / (p + self.weight) for a, p in zip(acc, pred)]
+        out, prev = [], 1.0
+        for a, p in zip(acc, pred):
+            prev = (a + self.weight * prev) / (p + self.weight)
+            out.append(prev)
+        return out
 
     def apply(self, cls: str, cond: list[float]) -> list[float]:
         r = self.ratios(cls)

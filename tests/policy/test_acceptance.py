@@ -122,7 +122,8 @@ def test_confidence_correction_tracks_realised_rate():
         corr.observe("sampled", [0.9, 0.9], accepted=i % 2)
     r = corr.ratios("sampled")
     assert r[0] == pytest.approx((200 + 8) / (400 * 0.9 + 8))  # shrunk towards 1 by weight 8
-    # Position 2 is reached in the 200 rounds that accepted draft 1, accepted in none.
-    assert r[1] == pytest.approx(8 / (200 * 0.9 + 8))
+    # Position 2 is reached in the 200 rounds that accepted draft 1, accepted in none; it is
+    # shrunk towards position 1's ratio.
+    assert r[1] == pytest.approx((0 + 8 * r[0]) / (200 * 0.9 + 8))
     assert corr.apply("sampled", [0.9, 0.9])[0] == pytest.approx(0.9 * r[0])
     assert corr.apply("greedy", [0.9]) == [0.9]
