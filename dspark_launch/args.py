@@ -55,6 +55,8 @@ class RunConfig:
     block_size: int | None = None
     dspark_confidence_threshold: float = 0.0
     ngram_max: int = 3
+    speculative_policy: str = "adaptive"
+    profile_cost_curve: str = "auto"
     attention_backend: str = "auto"
     # memory
     kv_cache_memory: int | None = None
@@ -136,6 +138,14 @@ def build_parser(serve: bool = False) -> argparse.ArgumentParser:
                    help="DSpark: verify each block only up to the first confidence below "
                    "this (0 = full block)")
     g.add_argument("--ngram-max", type=int, default=3, help="NGRAM: longest suffix matched")
+    g.add_argument("--speculative-policy", choices=("adaptive", "fixed"), default="adaptive",
+                   help="adaptive: each step, choose per request how many drafts to verify "
+                   "from calibrated acceptance and the profiled cost of the target forward "
+                   "(0 = plain decoding for it this step); fixed: verify every draft")
+    g.add_argument("--profile-cost-curve", choices=("auto", "off"), default="auto",
+                   help="auto: profile the target forward's speed over a few token counts at "
+                   "start-up (cached per machine and topology); off: start flat and learn "
+                   "from measured steps only")
     g.add_argument("--attention-backend", choices=("auto", "triton", "torch"), default="auto",
                    help="auto: triton on CUDA, torch on CPU")
     g = p.add_argument_group("memory")
@@ -298,6 +308,8 @@ def resolve_config(argv: list[str] | None = None, world_size: int | None = None)
         block_size=ns.block_size,
         dspark_confidence_threshold=ns.dspark_confidence_threshold,
         ngram_max=ns.ngram_max,
+        speculative_policy=ns.speculative_policy,
+        profile_cost_curve=ns.profile_cost_curve,
         attention_backend=ns.attention_backend,
         kv_cache_memory=kv_bytes,
         mem_fraction_static=ns.mem_fraction_static,

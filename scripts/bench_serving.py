@@ -134,6 +134,8 @@ def main() -> None:
     ap.add_argument("--algorithms", nargs="+", default=["NONE", "NGRAM", "DFLASH", "DSPARK"])
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--speculative-policy", choices=("adaptive", "fixed"), default="adaptive",
+                    help="verify-length policy of every speculative algorithm")
     ap.add_argument("--kv-cache-memory", default="256MiB")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -160,7 +162,7 @@ def main() -> None:
                     model=args.model, draft=draft, speculative_algorithm=algorithm,
                     block_size=args.block_size, attention_backend=args.attention_backend,
                     kv_cache_memory=parse_bytes(args.kv_cache_memory),
-                    max_running_requests=batch))
+                    max_running_requests=batch, speculative_policy=args.speculative_policy))
                 prompts = [engine.tokenizer.encode(t).ids for t in texts]
                 for temp in args.temperatures:
                     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=temp)
@@ -200,6 +202,7 @@ def main() -> None:
                   f"{r.get('speedup_vs_none', 0):6.2f}x  {r.get('lossless_vs_none', '-')}")
     meta = {"torch_threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
             "num_prompts": len(texts), "repeats": args.repeats, "model": args.model,
+            "speculative_policy": args.speculative_policy,
             "statistic": "median of repeats; decode = steps that prefilled nothing"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))

@@ -13,6 +13,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_cost_curves(tmp_path_factory: pytest.TempPathFactory):
+    """Start-up cost-curve profiles go to a per-session cache, not the user's (forked ranks
+    inherit the environment)."""
+    os.environ["DSPARK_CACHE_DIR"] = str(tmp_path_factory.mktemp("cost_curves"))
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory):
     """Engine-test checkpoints and prompt files (tests/jobs.py), written once per process."""

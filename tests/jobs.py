@@ -169,7 +169,10 @@ def run_job(out_dir: Path, name: str, argv: list[str], world: int = 1, probe=Non
 
 def model_args(a: Assets, algorithm: str, block: int | None = None, draft: Path | None = None
                ) -> list[str]:
-    argv = ["--model", str(a.target), "--speculative-algorithm", algorithm]
+    # Fixed verify lengths (every draft verified): engine tests assert on what full blocks do;
+    # tests/policy passes --speculative-policy adaptive after these (the last flag wins).
+    argv = ["--model", str(a.target), "--speculative-algorithm", algorithm,
+            "--speculative-policy", "fixed"]
     if draft is not None:
         argv += ["--draft", str(draft)]
     if block is not None:
@@ -463,6 +466,7 @@ def engine_args(a: Assets, algorithm: str, draft: Path | None = None, model: Pat
                 **kw):
     from dspark_launch.engine.build import EngineArgs
 
+    kw.setdefault("speculative_policy", "fixed")  # as model_args
     return EngineArgs(model=str(model or a.target), speculative_algorithm=algorithm,
                       draft=None if draft is None else str(draft),
                       kv_cache_memory=64 * 2**20, max_total_tokens=4096, **kw)

@@ -14,6 +14,7 @@ from dspark_launch import failure
 from dspark_launch.attention import make_backend
 from dspark_launch.comm import agreed
 from dspark_launch.engine.engine import Engine, EngineLimits
+from dspark_launch.engine.verify_policy import build_verify_policy
 from dspark_launch.engine.warmup import largest_batch_step
 from dspark_launch.errors import ConfigError
 from dspark_launch.log import logger
@@ -38,6 +39,8 @@ class EngineArgs:
     block_size: int | None = None
     dspark_confidence_threshold: float = 0.0
     ngram_max: int = 3
+    speculative_policy: str = "adaptive"  # or "fixed": verify every draft
+    profile_cost_curve: str = "auto"  # or "off"
     dtype: str = "auto"
     device: str = "auto"  # informational: the device is chosen by init_parallel_runtime
     attention_backend: str = "auto"
@@ -190,4 +193,6 @@ def build_engine(args: EngineArgs) -> Engine:
     engine.checkpoints = ckpt
     engine.plan = plan
     engine.generation_defaults = generation_defaults(ckpt.model)
+    engine.policy = build_verify_policy(engine, args.speculative_policy, args.profile_cost_curve,
+                                        ckpt.draft, ckpt.algorithm)
     return engine

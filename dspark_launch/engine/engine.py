@@ -39,6 +39,7 @@ from dspark_launch.engine.request import (
     refused_output,
 )
 from dspark_launch.engine.scheduler import Scheduler, StepPlan
+from dspark_launch.engine.verify_policy import micros, request_class, spread
 from dspark_launch.failure import Interrupted, inject_fault, progress
 from dspark_launch.parallel import get_parallel
 from dspark_launch.spec import transfer
@@ -90,6 +91,12 @@ class Engine:
         self.checkpoints = None
         self.plan = None
         self.generation_defaults: dict = {}
+        # The verify-length policy (engine/verify_policy.py; None: verify every draft), and
+        # what it learns from: the last step's tokens and its (forward, draft) microseconds.
+        self.policy = None
+        self._draft_s = 0.0
+        self._timing = (0, 0)
+        self._last_tokens: tuple[int, int, int] | None = None  # decode, forward, drafted
 
     # ------------------------------------------------------------------ client API
 
@@ -148,8 +155,8 @@ class Engine:
         if plan.empty and self.sched.has_work and (stuck := self._unstick()) is not None:
             report.append(stuck)
         t0 = time.perf_counter()
-        proposal = self._propose(plan.decode)
-        widths = self._widths(plan.decode, proposal)
+        proposal, drafted = self._propose(plan)
+        widths = self._widths(plan, proposal, drafted)
         prefill_tokens = sum(n for _, n in plan.prefill)
         tokens = prefill_tokens + sum(1 + w for w in widths)
         self.last_step = StepStats(prefill_tokens, len(plan.decode), tokens)
@@ -158,12 +165,13 @@ class Engine:
             idle = not self.live and plan.empty and not report
             events = self.inbox.take(IDLE_WAIT_S if idle else 0.0)
         flags, events = exchange(events, tokens, self.sched.has_work,
-                                 commits_digest(self.commits))
+                                 commits_digest(self.commits), self._timing)
         # The ranks of a group must have committed the same tokens last step.
         check_commits(flags.digests, self.steps - 1, self.commits)
         if flags.signal:
             raise Interrupted(flags.signal)
         self.commits = {}
+        self._learn_step(flags)
         if any(flags.tokens):
             inject_fault(state.rank, self.steps)
             if tokens:
@@ -172,6 +180,9 @@ class Engine:
                 report += self._verify_and_commit(plan, proposal, widths, flags, t0)
                 inject_divergence(state.rank, self.steps, reqs, before)
                 self.commits = committed_tokens(reqs, before)
+                t_end = time.perf_counter()
+                self._timing = (micros(t_end - t0 - self._draft_s), micros(self._draft_s))
+                self._last_tokens = (sum(1 + w for w in widths), tokens, drafted)
             else:
                 self._idle_forward(flags)
             self.steps += 1
@@ -187,6 +198,8 @@ class Engine:
             if out.finished and out.index in self.live:
                 group, load = self.live.pop(out.index)
                 self.load[group] -= load
+                if self.policy is not None:
+                    self.policy.forget(out.index)
         return outputs
 
     # -- schedule helpers
@@ -223,16 +236,57 @@ class Engine:
         return SamplingRows.build([r.params for r in reqs], [r.key for r in reqs],
                                   [len(r.output_ids) + offset for r in reqs], self.device)
 
-    def _propose(self, decode: list[Request]) -> Proposal | None:
+    def _propose(self, plan: StepPlan) -> tuple[Proposal | None, int]:
+        """Drafts for the decode requests, and how many requests drafted. The policy may keep
+        some (or all) requests from drafting this step, from past rounds only."""
+        self._draft_s = 0.0
+        decode = plan.decode
         if not decode or not self.proposer.max_drafts:
-            return None
+            return None, 0
+        t0 = time.perf_counter()
         limits = [self._draft_limit(r) for r in decode]
-        return self.proposer.propose(decode, limits, self._request_rows(decode))
+        sub = list(range(len(decode)))
+        if self.policy is not None and self.policy.adaptive:
+            limits = self.policy.plan([r.index for r in decode],
+                                      [request_class(r) for r in decode], limits,
+                                      self._base_tokens(plan))
+            sub = [i for i, n in enumerate(limits) if n > 0]
+            if not sub:
+                return None, 0
+        reqs = [decode[i] for i in sub]
+        proposal = self.proposer.propose(reqs, [limits[i] for i in sub],
+                                         self._request_rows(reqs))
+        if len(sub) < len(decode):
+            proposal = spread(proposal, sub, len(decode))
+        self._draft_s = time.perf_counter() - t0
+        return proposal, len(sub)
 
-    def _widths(self, decode: list[Request], proposal: Proposal | None) -> list[int]:
+    @staticmethod
+    def _base_tokens(plan: StepPlan) -> int:
+        """Tokens a step forwards before any draft: prefill chunks and one anchor each."""
+        return sum(n for _, n in plan.prefill) + len(plan.decode)
+
+    def _widths(self, plan: StepPlan, proposal: Proposal | None, drafted: int) -> list[int]:
+        decode = plan.decode
         if proposal is None:
             return [0] * len(decode)
-        return [min(w, self._draft_limit(r)) for r, w in zip(decode, proposal.widths)]
+        widths = [min(w, self._draft_limit(r)) for r, w in zip(decode, proposal.widths)]
+        if self.policy is not None and self.policy.adaptive:
+            # DSpark: the confidences come to the host (one small read), since the verify's
+            # width must be host-known, as for the confidence cut.
+            chosen = self.policy.choose([r.index for r in decode],
+                                        [request_class(r) for r in decode], widths,
+                                        self._base_tokens(plan), proposal.conf, drafted)
+            widths = [min(w, c) for w, c in zip(widths, chosen)]
+        return widths
+
+    def _learn_step(self, flags: Flags) -> None:
+        """Refine the policy's curves with the last step's agreed times (every rank alike)."""
+        if self.policy is not None and self._last_tokens is not None and flags.forward_us:
+            decode, forward, drafted = self._last_tokens
+            self.policy.record_step(decode, forward, flags.forward_us * 1e-6, drafted,
+                                    flags.draft_us * 1e-6)
+        self._last_tokens, self._timing = None, (0, 0)
 
     # -- verify
 
@@ -257,6 +311,9 @@ class Engine:
             done = accept(self.target, layout, proposal, hidden, self._stop_ids)
             first, accept_len, committed = transfer.to_host(done.first, done.accept_len,
                                                             done.committed)
+        if self.policy is not None:
+            for req, w, n_acc in zip(plan.decode, widths, accept_len):
+                self.policy.record(req.index, request_class(req), w, n_acc)
         t2 = time.perf_counter()
         return self._commit(plan, firsts, first, accept_len, committed, t1 - t0, t2 - t1)
 

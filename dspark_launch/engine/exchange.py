@@ -28,6 +28,8 @@ class Flags:
     work: bool  # some rank holds unfinished requests
     signal: int  # a stop signal some rank received (0: none)
     digests: list[int]  # each rank's digest of what it committed last step (divergence.py)
+    forward_us: int = 0  # the previous step's time without drafting, max over ranks
+    draft_us: int = 0  # the previous step's draft time, max over ranks
 
 
 class Inbox:
@@ -53,12 +55,17 @@ class Inbox:
         return events
 
 
-def exchange(events: list[tuple], tokens: int, work: bool, digest: int = 0
-             ) -> tuple[Flags, list[tuple]]:
-    """Collective over every rank: the flags of all ranks, and rank 0's events."""
-    rows = all_gather_ints([len(events), tokens, int(work), received_signal(), digest])
+def exchange(events: list[tuple], tokens: int, work: bool, digest: int = 0,
+             timing: tuple[int, int] = (0, 0)) -> tuple[Flags, list[tuple]]:
+    """Collective over every rank: the flags of all ranks, and rank 0's events. `digest`:
+    this rank's digest of last step's commits (divergence.py); `timing`: this rank's last
+    step (forward, draft) in microseconds; the verify-length policy learns from the maximum,
+    so every rank refines its cost curve alike."""
+    rows = all_gather_ints([len(events), tokens, int(work), received_signal(), digest,
+                            *timing])
     if rows[0][0]:
         events = broadcast_object(events)
     flags = Flags(tokens=[r[1] for r in rows], work=any(r[2] for r in rows),
-                  signal=max(r[3] for r in rows), digests=[r[4] for r in rows])
+                  signal=max(r[3] for r in rows), digests=[r[4] for r in rows],
+                  forward_us=max(r[5] for r in rows), draft_us=max(r[6] for r in rows))
     return flags, events

@@ -11,6 +11,7 @@ from pathlib import Path
 from dspark_launch.engine.request import RequestOutput, RequestSpec
 from dspark_launch.errors import ConfigError
 from dspark_launch.failure import inject_fault, signals_held
+from dspark_launch.spec.policy import format_policy
 
 
 def request_record(out: RequestOutput) -> dict:
@@ -204,4 +205,6 @@ def format_summary(s: dict) -> str:
         lines.append(f"TTFT p50 {s['ttft_p50_s'] * 1e3:.1f} ms p99 {s['ttft_p99_s'] * 1e3:.1f} ms")
     if s["tpot_p50_s"] is not None:
         lines.append(f"TPOT p50 {s['tpot_p50_s'] * 1e3:.1f} ms p99 {s['tpot_p99_s'] * 1e3:.1f} ms")
+    if s.get("speculative_policy"):
+        lines.append(format_policy(s["speculative_policy"]))
     return "\n".join(lines)

@@ -20,6 +20,7 @@ from dspark_launch.engine.output import (
     request_record,
     summarize,
 )
+from dspark_launch.engine.verify_policy import gather_policy_report
 from dspark_launch.errors import ConfigError
 from dspark_launch.log import logger
 from dspark_launch.parallel import get_parallel
@@ -129,6 +130,7 @@ def run_job(args: EngineArgs, job: JobArgs) -> int:
     wall = time.perf_counter() - start
     if not engine.space.is_full():
         raise RuntimeError("KV rows leaked: the allocator is not full after every request ended")
+    policy = gather_policy_report(engine)  # collective: every rank
     if state.rank == 0:
         summary = summarize(writer.records[writer.resumed:], wall, {
             "algorithm": engine.checkpoints.algorithm,
@@ -138,6 +140,7 @@ def run_job(args: EngineArgs, job: JobArgs) -> int:
             "memory_plan": engine.plan.to_dict(),
             "context_limit": engine.context_limit,
             "dtype": str(target.dtype).replace("torch.", ""),
+            "speculative_policy": policy,
         })
         logger.info("summary:\n%s", format_summary(summary))
         if job.metrics_json:

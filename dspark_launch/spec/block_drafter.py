@@ -86,10 +86,10 @@ class DSparkProposer(DFlashProposer):
         tokens, q, conf = walk_block(self.draft, self.target.lm_head, h, anchors, rows)
         kept = confident_length(conf, self.threshold)
         if kept is None:
-            return Proposal(tokens, list(limits), q)
+            return Proposal(tokens, list(limits), q, conf=conf)
         # The cut shortens the verify itself, so the host must know it: one extra read.
         (cut,) = to_host(kept)
-        return Proposal(tokens, [min(n, c) for n, c in zip(limits, cut)], q)
+        return Proposal(tokens, [min(n, c) for n, c in zip(limits, cut)], q, conf=conf)
 
 
 def confident_length(conf: torch.Tensor, threshold: float) -> torch.Tensor | None:

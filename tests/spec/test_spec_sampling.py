@@ -75,7 +75,8 @@ def test_spec_sampling_matches_target_distribution(tiny, tmp_path, algorithm, bl
                                        "--speculative-algorithm", algorithm, "--draft",
                                        str(draft), "--prompts", str(prompts),
                                        "--max-new-tokens", "3", "--temperature", "1.0",
-                                       "--seed", "11", *AMPLE], probe=probe)
+                                       "--seed", "11", "--speculative-policy", "fixed",
+                                       *AMPLE], probe=probe)
     assert job.rcs == [0]
     outs = torch.tensor(job.outputs)  # [N, 3] (no EOS in this vocabulary)
     assert outs.shape == (N_REQ, 3)

@@ -1,0 +1,258 @@
+"""How fast the target forward runs at n tokens: profiled at start-up, refined online.
+
+The verify-length policy trades expected committed tokens against the price of every verify
+row, so it needs SPS(n) = target-forward steps per second with n tokens in the forward
+(reference/dspark-scheduler.md). The curve is a small table of (tokens, seconds per forward),
+measured at start-up over a handful of token counts by running the REAL forward (under DP
+attention every rank joins, idle groups with zero tokens, so the collectives are timed too),
+interpolated linearly between points, cached on disk per machine and topology, and refined
+online from the step times the engine measures anyway (an EMA of observed/predicted per point).
+
+Every rank of an attention-TP group must choose the same verify lengths, so the engine feeds
+this object only values every rank agrees on (rank 0's profile, gathered step times); given
+the same inputs the curve is deterministic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+CURVE_VERSION = 1
+MIN_SECONDS = 1e-6  # a forward never takes less; keeps 1/seconds finite
+OUTLIER_RATIO = 2.0  # an observation counts as at most this factor off the prediction ...
+OUTLIER_AFTER = 8  # ... once the curve has this many observations
+
+
+def profile_points(max_tokens: int, count: int = 6) -> list[int]:
+    """Token counts to profile: 1 plus a geometric ladder up to max_tokens (at most `count`)."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens} must be >= 1")
+    points = {1, max_tokens}
+    n = 2
+    while n < max_tokens:
+        points.add(n)
+        n *= 2
+    ladder = sorted(points)
+    if len(ladder) <= count:
+        return ladder
+    # Keep both ends and spread the rest evenly over the ladder (geometric spacing).
+    step = (len(ladder) - 1) / (count - 1)
+    return sorted({ladder[round(i * step)] for i in range(count)})
+
+
+@dataclass
+class CostCurve:
+    """Seconds of a step at n tokens = overhead + forward(n), where forward(n) is the table
+    (piecewise-linear in between, linear beyond the ends with the last segment's slope, never
+    decreasing) and `overhead` is what a real step costs besides the profiled forward
+    (scheduling, sampling, bookkeeping), learned online like the table's shape."""
+
+    tokens: list[int]  # strictly increasing
+    seconds: list[float]  # same length, > 0: the forward alone
+    overhead: float = 0.0  # seconds a step adds to the forward, at any n
+    ema: float = 0.1  # weight of one online observation in the overhead
+    shape_rate: float = 0.01  # ... and in the neighbouring points' residual
+    observations: list[int] = field(default_factory=list)  # per point, for reports
+
+    def __post_init__(self) -> None:
+        if not self.tokens or len(self.tokens) != len(self.seconds):
+            raise ValueError("a cost curve needs one time per token count")
+        if any(b <= a for a, b in zip(self.tokens, self.tokens[1:])):
+            raise ValueError(f"token counts must increase: {self.tokens}")
+        self.seconds = [max(MIN_SECONDS, float(s)) for s in self.seconds]
+        if not self.observations:
+            self.observations = [0] * len(self.tokens)
+        self._arrays: tuple[np.ndarray, np.ndarray] | None = None  # cached for step_seconds
+
+    # ------------------------------------------------------------------ reading
+
+    def _segment(self, n: float) -> tuple[int, float]:
+        """(left point index i, weight w of point i+1) for n; a single point has i=0, w=0."""
+        t = self.tokens
+        if len(t) == 1 or n <= t[0]:
+            return 0, 0.0 if len(t) == 1 else (n - t[0]) / (t[1] - t[0])
+        lo = 0
+        while lo + 2 < len(t) and n > t[lo + 1]:
+            lo += 1
+        return lo, (n - t[lo]) / (t[lo + 1] - t[lo])
+
+    def step_seconds(self, n):
+        """Predicted seconds of a step with n tokens (a number, or an array of them)."""
+        out = np.maximum(self.overhead + self.forward_seconds(n), MIN_SECONDS)
+        return float(out) if out.ndim == 0 else out
+
+    def forward_seconds(self, n) -> np.ndarray:
+        """The table alone at n (interpolated / extrapolated), as an array."""
+        if self._arrays is None:
+            self._arrays = (np.asarray(self.tokens, dtype=np.float64),
+                            np.asarray(self.seconds, dtype=np.float64))
+        t, s = self._arrays
+        x = np.asarray(n, dtype=np.float64)
+        if len(t) == 1:
+            out = np.full_like(x, s[0])
+        else:
+            out = np.interp(x, t, s)
+            low = (s[1] - s[0]) / (t[1] - t[0])
+            high = max(0.0, (s[-1] - s[-2]) / (t[-1] - t[-2]))  # never faster beyond the end
+            out = np.where(x < t[0], s[0] + (x - t[0]) * low, out)
+            out = np.where(x > t[-1], s[-1] + (x - t[-1]) * high, out)
+        return out
+
+    def steps_per_second(self, n: float) -> float:
+        return 1.0 / self.step_seconds(n)
+
+    # ------------------------------------------------------------------ refining
+
+    def observe(self, n: int, seconds: float) -> None:
+        """One measured step of n tokens.
+
+        The overhead moves towards (measured - table) at the EMA rate: a real step also pays
+        for what the profile does not run, at every n alike. What is left of the error moves
+        the two neighbouring points (by interpolation weight, at the slower shape rate), so
+        the table's shape follows the machine too (an observation exactly at a point moves
+        only that point)."""
+        if n < 1 or seconds <= 0:
+            return
+        if sum(self.observations) >= OUTLIER_AFTER:
+            # A shared machine stalls now and then: one stall must not move the curve by more
+            # than a bounded step (a policy that stops drafting stops measuring the draft).
+            predicted = self.step_seconds(n)
+            seconds = min(max(seconds, predicted / OUTLIER_RATIO), predicted * OUTLIER_RATIO)
+        forward = float(self.forward_seconds(n))
+        self.overhead += self.ema * ((seconds - forward) - self.overhead)
+        err = seconds - (self.overhead + forward)
+        i, w = self._segment(n)
+        w = min(max(w, 0.0), 1.0)
+        for j, weight in ((i, 1.0 - w), (i + 1, w)):
+            if j < len(self.seconds) and weight > 0:
+                self.seconds[j] = max(MIN_SECONDS,
+                                      self.seconds[j] + self.shape_rate * weight * err)
+                self.observations[j] += 1
+        self._arrays = None
+
+    # ------------------------------------------------------------------ (de)serialising
+
+    def to_dict(self) -> dict:
+        return {"version": CURVE_VERSION, "tokens": list(self.tokens),
+                "seconds": [round(s, 9) for s in self.seconds],
+                "overhead_s": round(self.overhead, 9),
+                "steps_per_second": [round(1.0 / max(MIN_SECONDS, self.overhead + s), 3)
+                                     for s in self.seconds],
+                "observations": list(self.observations)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CostCurve:
+        if data.get("version") != CURVE_VERSION:
+            raise ValueError(f"cost curve version {data.get('version')} != {CURVE_VERSION}")
+        return cls([int(n) for n in data["tokens"]], [float(s) for s in data["seconds"]],
+                   float(data.get("overhead_s", 0.0)))
+
+    @classmethod
+    def flat(cls, points: Sequence[int] = (1,)) -> CostCurve:
+        """No profile (--profile-cost-curve off): every width costs the same until the online
+        refinement has measured the steps the engine really runs."""
+        return cls(list(points), [MIN_SECONDS] * len(points))
+
+
+def profile(
+    run_forward: Callable[[int], None],  # runs ONE real target forward of n tokens
+    points: Sequence[int],
+    repeats: int = 4,
+    clock: Callable[[], float] = time.perf_counter,
+) -> CostCurve:
+    """Time the forward at each token count: one warm-up, then the fastest of `repeats` runs
+    (on a shared machine the noise only ever adds time).
+
+    The number of forwards is fixed (no time budget), so every rank of a world runs the same
+    sequence of collectives; a handful of points x 4 forwards stays within a few seconds.
+    Under DP attention `run_forward` must make every rank join, exactly like a real step."""
+    if not points:
+        raise ValueError("profile needs at least one token count")
+    times: list[float] = []
+    for n in points:
+        run_forward(n)  # warm-up: first-touch allocations, lazy kernels
+        runs: list[float] = []
+        for _ in range(repeats):
+            t0 = clock()
+            run_forward(n)
+            runs.append(clock() - t0)
+        times.append(min(runs))
+    # A larger forward is never cheaper in expectation: smooth timing noise out.
+    for i in range(1, len(times)):
+        times[i] = max(times[i], times[i - 1])
+    return CostCurve(list(points), times)
+
+
+# ---------------------------------------------------------------------- the on-disk cache
+
+def cache_dir() -> Path:
+    root = os.environ.get("DSPARK_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dspark_launch")
+    return Path(root) / "cost_curves"
+
+
+def cache_key(machine: dict) -> str:
+    """A stable name for (machine, topology, model shapes, dtype, threads, points)."""
+    blob = json.dumps(machine, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:20]
+
+
+def load_cached(key: str, directory: Path | None = None) -> CostCurve | None:
+    path = (directory or cache_dir()) / f"{key}.json"
+    try:
+        return CostCurve.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # missing or stale: profile again
+
+
+def store_cached(key: str, curve: CostCurve, machine: dict,
+                 directory: Path | None = None) -> Path | None:
+    """Write atomically (ranks of other jobs may read concurrently); a read-only cache
+    directory only costs the next run a re-profile."""
+    directory = directory or cache_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{key}.json"
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**curve.to_dict(), "machine": machine}, indent=1,
+                                  default=str))
+        tmp.replace(path)
+        return path
+    except OSError:
+        return None
+
+
+def profiled_curve(
+    mode: str,
+    machine: dict,
+    run_forward: Callable[[int], None],
+    points: Sequence[int],
+    agree: Callable[[object], object] = lambda x: x,
+    writer: bool = True,
+    directory: Path | None = None,
+) -> tuple[CostCurve, str]:
+    """The curve for --profile-cost-curve: (curve, source), source 'off', 'cache' or 'profiled'.
+
+    `agree` makes every rank take one rank's value (the engine passes a broadcast from rank 0):
+    first whether the cache holds a curve (then nobody profiles), else the profile itself, which
+    every rank runs so that the forward's collectives match. Only the `writer` stores it."""
+    if mode == "off":
+        return CostCurve.flat(points), "off"
+    if mode != "auto":
+        raise ValueError(f"--profile-cost-curve={mode}: expected 'off' or 'auto'")
+    key = cache_key({**machine, "points": list(points)})
+    cached = agree(load_cached(key, directory))
+    if cached is not None:
+        return cached, "cache"
+    curve = agree(profile(run_forward, points))
+    if writer:
+        store_cached(key, curve, machine, directory)
+    return curve, "profiled"

@@ -1,0 +1,343 @@
+"""Verify-length policy: how many drafts each request of a group verifies this step.
+
+Algorithm 1 of the DSpark paper (reference/dspark-scheduler.md): every request verifies at
+least its anchor; candidates (r, j) = "request r also verifies its draft j" are walked in order
+of falling survival a_{r,j}; each is admitted while it raises the expected throughput
+
+    theta(B) = (expected committed tokens) / (seconds of a step with B tokens in the forward)
+
+and the walk stops at the FIRST candidate that does not raise it (early stopping). A request
+may end with l_r = 0: plain decoding for it this step.
+
+Why this is lossless (the output distribution is exactly the target's)
+--------------------------------------------------------------------
+Fix a request r and condition on everything that does not depend on r's drafts this step:
+the past, and the other requests' drafts (drawn from their own generators, so independent of
+r's draws given the past). Write x_1, x_2, ... for r's drafts and F_{j-1} = sigma(x_1..x_{j-1}).
+
+Claim: the event {l_r >= j} is F_{j-1}-measurable, i.e. whether draft j is verified is
+decided before draft j is looked at.
+- a_{r,i} = prod_{i' <= i} p_{r,i'} and p_{r,i} is computed before x_i is drawn: DSpark's
+  c_i reads the hidden state of the block (context only) and x_{i-1} (the Markov feature);
+  DFlash/NGRAM estimates read only past rounds. So a_{r,1..j} is F_{j-1}-measurable.
+- The candidates walked before (r, j) are those with a larger key (-a, r, j) (ties broken by
+  request, then position). r's own candidates among them are (r, i < j) only: a_{r,i} is
+  non-increasing in i (enforced by a running minimum, itself F_{j-1}-measurable), so every
+  (r, i > j) sorts after (r, j). Which other requests' candidates come before (r, j) depends
+  on a_{r,j} and their own values, all known given F_{j-1} and the conditioning.
+- The walk reaches (r, j) and admits it iff every candidate before it improved theta and
+  (r, j) improves it too: a function of the candidates up to and including (r, j) only —
+  early stopping means nothing after (r, j) is ever consulted for it.
+Hence l_r is a stopping time of r's draft sequence. Speculative sampling with a stopping-time
+block length is exact: at position j, given drafts < j were accepted (so they equal the
+committed tokens), either l_r >= j and the min(1, p/q) test with the residual resample yields
+a token distributed as p, or l_r < j and the bonus token is drawn from p directly; in both
+cases draft j's value never influenced whether it was tested. Greedy decoding is exact for
+any length (accepted drafts equal the target's argmax). A search that looked at later
+candidates and came back (a global argmax over all length vectors) would make {l_r >= j}
+depend on x_j, x_{j+1}, ... — the paper's Appendix A counterexample — hence the early stop.
+
+The same argument covers any length computed from past rounds only (the "fixed" policy, a
+probe, or the DFlash/NGRAM decision to skip drafting a request this step).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dspark_launch.spec.acceptance import (
+    AcceptanceTracker,
+    ConfidenceCorrection,
+    apply_temperatures,
+)
+from dspark_launch.spec.cost_curve import CostCurve, profile_points
+
+POLICIES = ("adaptive", "fixed")
+PROBE_EVERY = 32  # steps without drafting before one probe step (see VerifyPolicy.plan)
+
+
+@dataclass(frozen=True)
+class Choice:
+    lengths: list[int]  # drafts verified per request (0 = plain decoding this step)
+    expected_tokens: float  # predicted committed tokens: one per request + admitted survival
+    tokens: int  # tokens in the forward (base + admitted drafts)
+
+
+def monotone(survival: Sequence[float]) -> list[float]:
+    """Running minimum clipped to [0, 1]: survival of a longer prefix is never higher."""
+    out, low = [], 1.0
+    for a in survival:
+        low = min(low, max(0.0, float(a)))
+        out.append(low)
+    return out
+
+
+def _candidates(survival: Sequence[Sequence[float]]) -> tuple[np.ndarray, ...]:
+    """Every (r, j) with its a_{r,j}, sorted by the key (-a, r, j): falling survival, ties by
+    request then position, so each request's drafts come in prefix order."""
+    rows = [monotone(row) for row in survival]
+    a = np.array([x for row in rows for x in row], dtype=np.float64)
+    r = np.array([i for i, row in enumerate(rows) for _ in row], dtype=np.int64)
+    j = np.array([k for row in rows for k in range(len(row))], dtype=np.int64)
+    order = np.lexsort((j, r, -a))
+    return a[order], r[order], j[order]
+
+
+def _lengths(reqs: int, r: np.ndarray, j: np.ndarray, admitted: int) -> list[int]:
+    lengths = [0] * reqs
+    for ri, ji in zip(r[:admitted].tolist(), j[:admitted].tolist()):
+        assert lengths[ri] == ji, "survival order must respect each request's prefix order"
+        lengths[ri] = ji + 1
+    return lengths
+
+
+def choose_lengths(
+    survival: Sequence[Sequence[float]],  # per request a_{r,1..L_r}; L_r = drafts available
+    base_tokens: int,  # tokens in the forward before any draft (prefill chunks + anchors)
+    step_seconds: Callable,  # predicted seconds of a step with n tokens (n: array or number)
+) -> Choice:
+    """Algorithm 1: greedy admission by falling survival, stopping at the first candidate that
+    does not raise expected committed tokens per second.
+
+    theta_d (the objective with the first d candidates admitted) is evaluated for every d at
+    once, but the decision is the sequential walk's: admit d while theta_d > theta_{d-1}, stop
+    at the first d where it is not (nothing after that candidate is consulted)."""
+    reqs = len(survival)
+    a, r, j = _candidates(survival)
+    tau = reqs + np.concatenate([[0.0], np.cumsum(a)])  # [N+1] tau_d
+    theta = tau / step_seconds(base_tokens + np.arange(len(a) + 1))
+    worse = np.nonzero(theta[1:] <= theta[:-1])[0]
+    admitted = int(worse[0]) if worse.size else len(a)  # early stop at the first non-improver
+    return Choice(_lengths(reqs, r, j, admitted), float(tau[admitted]), base_tokens + admitted)
+
+
+def fixed_lengths(limits: Sequence[int], base_tokens: int) -> Choice:
+    """Today's behaviour: every available draft is verified (expected tokens unknown: NaN)."""
+    return Choice(list(limits), float("nan"), base_tokens + sum(limits))
+
+
+def best_prefix(
+    survival: Sequence[Sequence[float]],
+    base_tokens: int,
+    step_seconds: Callable,
+    draft_seconds: Callable,  # seconds to draft for n requests (arrays of n; 0 for n = 0)
+) -> Choice:
+    """The best number of admitted drafts when every estimate comes from PAST rounds only
+    (DFlash/NGRAM, and which requests DSpark drafts at all): no early stop is needed for
+    losslessness here, so every prefix of the walk is priced, and the draft forward's cost
+    (paid for every request that drafts) can make a longer prefix pay where the first
+    candidate alone does not."""
+    reqs = len(survival)
+    a, r, j = _candidates(survival)
+    d = np.arange(len(a) + 1)
+    tau = reqs + np.concatenate([[0.0], np.cumsum(a)])
+    drafting = np.concatenate([[0], np.cumsum(j == 0)])  # requests with a draft admitted
+    cost = step_seconds(base_tokens + d) + np.where(drafting > 0, draft_seconds(drafting), 0.0)
+    best = int(np.argmax(tau / cost)) if reqs else 0  # first maximum: the shortest prefix
+    return Choice(_lengths(reqs, r, j, best), float(tau[best]), base_tokens + best)
+
+
+# ---------------------------------------------------------------------- the per-group policy
+
+def draft_curve_guess(curve: CostCurve, block_rows: int, scale: float,
+                      max_requests: int) -> CostCurve:
+    """Seconds to draft for n requests before any draft was timed: the target forward at the
+    block's rows scaled by the draft/target layer ratio (refined online from real draft times)."""
+    points = profile_points(max(1, max_requests))
+    return CostCurve(points, [scale * curve.step_seconds(n * max(1, block_rows))
+                              for n in points])
+
+
+class PolicyMetrics:
+    """What the summary reports: verified tokens per step, chosen lengths, and predicted vs
+    realised tokens per round (overall and per draft position: a calibration check)."""
+
+    def __init__(self, positions: int) -> None:
+        self.verified_tokens: Counter[int] = Counter()  # decode tokens in a step's forward
+        self.lengths: Counter[int] = Counter()  # drafts verified per request-round
+        self.skipped_drafts = 0  # steps whose draft forward the policy skipped
+        self.rounds = 0
+        self.predicted = 0.0  # sum of predicted committed tokens (1 + survival)
+        self.realised = 0.0  # sum of accepted drafts + 1
+        self.pos_rounds = [0] * positions  # rounds that verified draft k
+        self.pos_predicted = [0.0] * positions  # sum of a_k over those rounds
+        self.pos_realised = [0] * positions  # rounds where drafts 1..k were all accepted
+
+    def to_dict(self) -> dict:
+        return {
+            "verified_tokens_per_step": dict(sorted(self.verified_tokens.items())),
+            "chosen_lengths": dict(sorted(self.lengths.items())),
+            "skipped_draft_steps": self.skipped_drafts,
+            "rounds": self.rounds,
+            "predicted_sum": self.predicted, "realised_sum": self.realised,
+            "positions": [{"rounds": n, "predicted_sum": p, "realised_sum": a}
+                          for n, p, a in zip(self.pos_rounds, self.pos_predicted,
+                                             self.pos_realised)],
+        }
+
+
+def merge_metrics(parts: list[dict]) -> dict:
+    """One report from every attn_dp group's PolicyMetrics.to_dict(): counts add up."""
+    out: dict = {"verified_tokens_per_step": Counter(), "chosen_lengths": Counter(),
+                 "skipped_draft_steps": 0, "rounds": 0, "predicted_sum": 0.0,
+                 "realised_sum": 0.0, "positions": []}
+    for p in parts:
+        for key in ("verified_tokens_per_step", "chosen_lengths"):
+            out[key].update({int(k): v for k, v in p[key].items()})
+        for key in ("skipped_draft_steps", "rounds", "predicted_sum", "realised_sum"):
+            out[key] += p[key]
+        for i, pos in enumerate(p["positions"]):
+            if i == len(out["positions"]):
+                out["positions"].append({"rounds": 0, "predicted_sum": 0.0, "realised_sum": 0})
+            for key in pos:
+                out["positions"][i][key] += pos[key]
+    rounds = max(out["rounds"], 1)
+    out["predicted_tau"] = round(out.pop("predicted_sum") / rounds, 4)
+    out["realised_tau"] = round(out.pop("realised_sum") / rounds, 4)
+    out["calibration"] = [
+        {"position": i + 1, "rounds": p["rounds"],
+         "predicted": round(p["predicted_sum"] / max(p["rounds"], 1), 4),
+         "realised": round(p["realised_sum"] / max(p["rounds"], 1), 4)}
+        for i, p in enumerate(out.pop("positions")) if p["rounds"]]
+    for key in ("verified_tokens_per_step", "chosen_lengths"):
+        out[key] = dict(sorted(out[key].items()))
+    return out
+
+
+class VerifyPolicy:
+    """One attn_dp group's verify-length policy, called by the engine every step:
+
+    1. plan(): before drafting, from past rounds only — per request the most drafts it may
+       verify (0: do not draft it). DFlash/NGRAM: these are the lengths (best_prefix, which
+       prices the draft forward). DSpark: all or nothing (whether the draft forward pays).
+    2. choose(): DSpark, after drafting — calibrated confidences, Algorithm 1 (early stop).
+    3. record() each request's outcome, record_step() the measured times.
+
+    Every rank of the group calls it with the same values (tokens, agreed times), so they
+    choose the same lengths. In "fixed" mode it only predicts (for the calibration report)."""
+
+    def __init__(self, mode: str, curve: CostCurve, draft_curve: CostCurve, positions: int,
+                 temperatures: list[float] | None = None, confidence: bool = False) -> None:
+        if mode not in POLICIES:
+            raise ValueError(f"speculative policy {mode!r}: expected one of {POLICIES}")
+        self.mode, self.curve, self.draft_curve = mode, curve, draft_curve
+        self.positions = positions
+        self.temperatures = temperatures
+        self.confidence = confidence
+        self.tracker = AcceptanceTracker(positions)
+        self.correction = ConfidenceCorrection(positions)
+        self.metrics = PolicyMetrics(positions)
+        self._survival: dict[object, list[float]] = {}  # this step's a_{r,1..} per request
+        self._idle = 0  # consecutive steps planned without any draft
+
+    @property
+    def adaptive(self) -> bool:
+        return self.mode == "adaptive"
+
+    def plan(self, keys: Sequence[object], classes: Sequence[str], limits: Sequence[int],
+             base_tokens: int) -> list[int]:
+        self._survival = {}
+        if not self.adaptive or not keys:
+            return list(limits)
+        past = [survival_of(self.tracker.conditional(k, c)[:lim])
+                for k, c, lim in zip(keys, classes, limits)]
+        choice = best_prefix(past, base_tokens, self.curve.step_seconds,
+                             self.draft_curve.step_seconds)
+        if sum(choice.lengths) == 0 and any(limits):
+            self._idle += 1
+            if self._idle >= PROBE_EVERY:
+                # Probe: what would pay if drafting were free, so the draft's cost (and the
+                # acceptance) is measured again; one step in PROBE_EVERY at most.
+                choice = best_prefix(past, base_tokens, self.curve.step_seconds,
+                                     lambda n: np.zeros_like(n, dtype=np.float64))
+        if sum(choice.lengths) == 0 and any(limits):
+            self.metrics.skipped_drafts += 1
+        else:
+            self._idle = 0
+        if self.confidence:
+            return list(limits) if sum(choice.lengths) else [0] * len(limits)
+        return choice.lengths
+
+    def choose(self, keys: Sequence[object], classes: Sequence[str], limits: Sequence[int],
+               base_tokens: int, conf: torch.Tensor | None = None, drafted: int = 0
+               ) -> list[int]:
+        """The lengths to verify, after drafting. `conf` [R, K]: DSpark's raw c_{r,1..K}
+        (None for the others, whose estimates are the tracker's); `drafted`: requests drafted
+        (their draft forward is paid already: a constant in every candidate's price)."""
+        if conf is not None:
+            cal = apply_temperatures(conf, self.temperatures).tolist()  # one device->host copy
+            cond = [self.correction.apply(cls, row[:lim])
+                    for cls, row, lim in zip(classes, cal, limits)]
+        else:
+            cond = [self.tracker.conditional(k, c)[:lim]
+                    for k, c, lim in zip(keys, classes, limits)]
+        survival = [survival_of(row) for row in cond]
+        self._survival = {k: s for k, s in zip(keys, survival)}
+        self._cond = {k: row for k, row in zip(keys, cond)}
+        if not self.adaptive:
+            return list(limits)
+        if conf is None:
+            return list(limits)  # decided in plan() from past rounds; drafts only cut short
+        sunk = self.draft_curve.step_seconds(drafted) if drafted else 0.0
+        return choose_lengths(survival, base_tokens,
+                              lambda n: self.curve.step_seconds(n) + sunk).lengths
+
+    def record(self, key: object, cls: str, verified: int, accepted: int) -> None:
+        """One request's round: `verified` drafts verified, `accepted` of them accepted."""
+        m = self.metrics
+        m.lengths[verified] += 1
+        self.tracker.observe(key, cls, verified, accepted)
+        surv = self._survival.get(key)
+        if surv is None:
+            return
+        if self.confidence and verified:
+            self.correction.observe(cls, self._cond[key][:verified], accepted)
+        m.rounds += 1
+        m.predicted += 1.0 + sum(surv[:verified])
+        m.realised += 1.0 + accepted
+        for i in range(min(verified, self.positions)):
+            m.pos_rounds[i] += 1
+            m.pos_predicted[i] += surv[i]
+            m.pos_realised[i] += int(accepted > i)
+
+    def record_step(self, decode_tokens: int, forward_tokens: int, forward_s: float,
+                    drafted: int, draft_s: float) -> None:
+        """Measured (agreed) times of the last step: refine both curves; age the counts."""
+        self.metrics.verified_tokens[decode_tokens] += 1
+        self.curve.observe(forward_tokens, forward_s)
+        if drafted:
+            self.draft_curve.observe(drafted, draft_s)
+        self.tracker.tick()
+        self.correction.tick()
+
+    def forget(self, key: object) -> None:
+        self.tracker.forget(key)
+
+    def report(self) -> dict:
+        return {"policy": self.mode, **self.metrics.to_dict(),
+                "cost_curve": self.curve.to_dict(), "draft_cost_curve": self.draft_curve.to_dict()}
+
+
+def survival_of(cond: Sequence[float]) -> list[float]:
+    out, a = [], 1.0
+    for c in cond:
+        a *= min(1.0, max(0.0, float(c)))
+        out.append(a)
+    return out
+
+
+def format_policy(report: dict) -> str:
+    """Summary lines: the policy's choices and its calibration check."""
+    calib = " ".join(f"{c['position']}:{c['predicted']:.2f}/{c['realised']:.2f}"
+                     for c in report.get("calibration", []))
+    return (f"speculative policy {report['policy']}: predicted tau {report['predicted_tau']:.2f}"
+            f" vs realised {report['realised_tau']:.2f} over {report['rounds']} rounds; drafts "
+            f"verified per round {report['chosen_lengths']}; draft forward skipped in "
+            f"{report['skipped_draft_steps']} steps\n"
+            f"verified tokens per step {report['verified_tokens_per_step']}\n"
+            f"survival per position, predicted/realised: {calib}")

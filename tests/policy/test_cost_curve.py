@@ -1,0 +1,111 @@
+"""Cost curve: profiling runs the given forward at each point, interpolation and extrapolation
+are closed-form, online refinement moves towards measurements, the disk cache round-trips."""
+
+from __future__ import annotations
+
+import pytest
+
+from dspark_launch.spec.cost_curve import (
+    OUTLIER_RATIO,
+    CostCurve,
+    cache_key,
+    load_cached,
+    profile,
+    profile_points,
+    profiled_curve,
+)
+
+
+def test_profile_points_ladder():
+    assert profile_points(1) == [1]
+    assert profile_points(8) == [1, 2, 4, 8]
+    pts = profile_points(300, count=6)
+    assert pts[0] == 1 and pts[-1] == 300 and len(pts) == 6 and pts == sorted(set(pts))
+
+
+def test_interpolation_closed_form():
+    c = CostCurve([1, 5, 9], [1.0, 1.0, 3.0])
+    assert c.step_seconds(3) == pytest.approx(1.0)
+    assert c.step_seconds(7) == pytest.approx(2.0)
+    assert c.step_seconds(13) == pytest.approx(5.0)  # last slope extends
+    assert c.steps_per_second(7) == pytest.approx(0.5)
+    down = CostCurve([1, 2], [2.0, 1.0])
+    assert down.step_seconds(10) >= 1.0  # extrapolation never gets faster than the last point
+
+
+class FakeClock:
+    """A clock the fake forward advances by a known cost per token (the thing under test is
+    the profiler's bookkeeping, so the forward's cost is the oracle)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.calls: list[int] = []
+
+    def __call__(self) -> float:
+        return self.t
+
+    def forward(self, n: int) -> None:
+        self.calls.append(n)
+        self.t += 0.01 + 0.002 * n
+
+
+def test_profile_times_every_point_with_warmup():
+    clock = FakeClock()
+    curve = profile(clock.forward, [1, 4, 16], repeats=3, clock=clock)
+    assert clock.calls == [1] * 4 + [4] * 4 + [16] * 4  # one warm-up + 3 timed each
+    assert curve.seconds == pytest.approx([0.012, 0.018, 0.042])
+
+
+def test_online_refinement_converges():
+    c = CostCurve([1, 8, 64], [1.0, 1.0, 1.0], ema=0.2)
+    for _ in range(300):
+        c.observe(8, 3.0)
+    assert c.step_seconds(8) == pytest.approx(3.0, rel=1e-3)
+    assert c.seconds[0] == 1.0  # an observation at a point moves only that point's shape
+    assert c.step_seconds(1) == pytest.approx(c.overhead + 1.0)  # ... and the overhead
+    assert c.overhead > 1.0
+    for _ in range(600):
+        c.observe(36, 4.0)  # halfway between 8 and 64 moves both
+    assert c.step_seconds(36) == pytest.approx(4.0, rel=1e-2)
+
+
+def test_overhead_is_learned_without_bending_the_shape():
+    """Profiled forward 1 + n/8 s; real steps pay 2 s more at every n: after steps at 8 and
+    16 tokens only, the prediction at the unvisited 64 includes the overhead too."""
+    c = CostCurve([1, 8, 16, 64], [1 + 1 / 8, 2.0, 3.0, 9.0])
+    for i in range(400):
+        n = 8 if i % 2 else 16
+        c.observe(n, 2.0 + 1 + n / 8)
+    assert c.step_seconds(64) == pytest.approx(2.0 + 9.0, rel=0.02)
+    assert c.step_seconds(8) == pytest.approx(4.0, rel=0.02)
+
+
+def test_cache_round_trip(tmp_path):
+    machine = {"device": "cpu", "world": 2, "threads": 1}
+    clock_calls: list[int] = []
+
+    def forward(n: int) -> None:
+        clock_calls.append(n)
+
+    curve, src = profiled_curve("auto", machine, forward, [1, 2], directory=tmp_path)
+    assert src == "profiled" and clock_calls
+    clock_calls.clear()
+    again, src = profiled_curve("auto", machine, forward, [1, 2], directory=tmp_path)
+    assert src == "cache" and not clock_calls and again.tokens == [1, 2]
+    assert again.seconds == pytest.approx(curve.seconds)
+    other = profiled_curve("auto", {**machine, "world": 4}, forward, [1, 2],
+                           directory=tmp_path)[1]
+    assert other == "profiled"  # another topology is another key
+    assert load_cached(cache_key({"x": 1}), tmp_path) is None
+    off, src = profiled_curve("off", machine, forward, [1, 2], directory=tmp_path)
+    assert src == "off" and off.step_seconds(1) == off.step_seconds(2)
+
+
+def test_one_stall_moves_the_curve_a_bounded_step():
+    c = CostCurve([1, 8], [1.0, 2.0])
+    for _ in range(20):
+        c.observe(8, 2.0)
+    before = c.step_seconds(8)
+    c.observe(8, 1000.0)  # a stall: counted as at most OUTLIER_RATIO x the prediction
+    # overhead moves by ema x the clipped error, the point by shape_rate x what is left
+    assert c.step_seconds(8) <= before * (1 + (OUTLIER_RATIO - 1) * (c.ema + c.shape_rate))

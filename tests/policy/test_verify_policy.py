@@ -1,0 +1,94 @@
+"""The per-group policy in a closed loop with synthetic drafters and a synthetic cost: an
+always-wrong drafter is written off (and only probed now and then), an oracle drafter verifies
+full blocks, and an over-confident DSpark head is corrected by its realised acceptance."""
+
+from __future__ import annotations
+
+import torch
+
+from dspark_launch.spec.cost_curve import CostCurve
+from dspark_launch.spec.policy import VerifyPolicy, merge_metrics
+
+LIMIT = 7
+REQS = 4
+
+
+def make_policy(confidence: bool = False, temperatures=None) -> VerifyPolicy:
+    curve = CostCurve([1, 64], [1.0, 1.0 + 63 * 0.05])  # memory-bound-ish: a row costs 5%
+    draft = CostCurve([1, 8], [0.2, 0.3])
+    return VerifyPolicy("adaptive", curve, draft, LIMIT, temperatures, confidence)
+
+
+def run(policy: VerifyPolicy, accept, steps: int, conf=None) -> list[int]:
+    """Closed loop; returns the drafts verified per step. accept(verified) -> accepted."""
+    keys, classes, limits = list(range(REQS)), ["greedy"] * REQS, [LIMIT] * REQS
+    verified_per_step = []
+    for _ in range(steps):
+        plan = policy.plan(keys, classes, limits, REQS)
+        drafted = sum(1 for n in plan if n)
+        lengths = policy.choose(keys, classes, plan, REQS,
+                                conf=torch.tensor([conf] * REQS) if conf else None,
+                                drafted=drafted)
+        assert all(0 <= n <= p for n, p in zip(lengths, plan))
+        for k, n in zip(keys, lengths):
+            policy.record(k, "greedy", n, accept(n))
+        tokens = REQS + sum(lengths)
+        policy.record_step(tokens, tokens, policy.curve.step_seconds(tokens), drafted,
+                           policy.draft_curve.step_seconds(drafted))
+        verified_per_step.append(sum(lengths))
+    return verified_per_step
+
+
+def test_always_wrong_drafter_converges_to_plain_decoding():
+    policy = make_policy()
+    verified = run(policy, lambda n: 0, 400)
+    assert verified[0] > 0  # starts hopeful (prior 0.5)
+    late = verified[200:]
+    assert sum(late) / len(late) < 0.1 * REQS  # < 0.1 drafts per request-round
+    assert policy.metrics.skipped_drafts > 150  # and the draft forward is skipped
+
+
+def test_oracle_drafter_verifies_full_blocks():
+    policy = make_policy()
+    verified = run(policy, lambda n: n, 100)
+    assert all(v == REQS * LIMIT for v in verified[20:])
+    report = merge_metrics([policy.metrics.to_dict()])
+    assert report["chosen_lengths"][LIMIT] >= 80 * REQS
+    assert report["realised_tau"] > 7.0
+
+
+def test_overconfident_dspark_head_is_corrected():
+    policy = make_policy(confidence=True)
+    verified = run(policy, lambda n: 0, 300, conf=[0.99] * LIMIT)
+    assert verified[0] == REQS * LIMIT  # trusts the head at first
+    assert sum(verified[150:]) / 150 < 0.1 * REQS
+
+
+def test_fixed_policy_verifies_everything_and_still_predicts():
+    curve = CostCurve([1, 64], [1.0, 4.0])
+    policy = VerifyPolicy("fixed", curve, CostCurve([1], [0.5]), LIMIT)
+    verified = run(policy, lambda n: 0, 30)
+    assert verified == [REQS * LIMIT] * 30
+    report = merge_metrics([policy.metrics.to_dict()])
+    assert report["realised_tau"] == 1.0 and report["predicted_tau"] > 1.0
+
+
+def test_a_stall_does_not_stop_speculation_for_good():
+    """One draft step that took 100x its usual time (a stalled shared machine) may stop
+    drafting for a while, but a probe measures the draft again and drafting resumes."""
+    policy = make_policy()
+    keys, classes, limits = list(range(REQS)), ["greedy"] * REQS, [LIMIT] * REQS
+    drafted_steps = []
+    for step in range(200):
+        plan = policy.plan(keys, classes, limits, REQS)
+        lengths = policy.choose(keys, classes, plan, REQS)
+        drafted = sum(1 for n in plan if n)
+        for k, n in zip(keys, lengths):
+            policy.record(k, "greedy", n, n)  # an oracle: every draft accepted
+        tokens = REQS + sum(lengths)
+        draft_s = 0.05 * (100 if step == 20 else 1)
+        policy.record_step(tokens, tokens, policy.curve.step_seconds(tokens), drafted,
+                           draft_s if drafted else 0.0)
+        drafted_steps.append(drafted > 0)
+    assert all(drafted_steps[:20])
+    assert all(drafted_steps[-50:])  # back to drafting every step
