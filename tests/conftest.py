@@ -20,6 +20,17 @@ def _private_cost_curves(tmp_path_factory: pytest.TempPathFactory):
     os.environ["DSPARK_CACHE_DIR"] = str(tmp_path_factory.mktemp("cost_curves"))
 
 
+@pytest.fixture(autouse=True)
+def _no_signal_left_over():
+    """A test that signals its own process (idle-engine SIGTERM tests) must not leave the
+    engine's received-signal flag set for the next test in the same worker."""
+    from dspark_launch import failure
+
+    failure._received.clear()
+    yield
+    failure._received.clear()
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory):
     """Engine-test checkpoints and prompt files (tests/jobs.py), written once per process."""
