@@ -87,7 +87,7 @@ def run(cfg: RunConfig) -> int:
         report_topology()
         from dspark_launch.engine.runner import run_job
 
-        return run_job(cfg)
+        return run_job(*engine_and_job_args(cfg))
     except LaunchError as err:
         # Configuration is the same on every rank, so rank 0 says it once.
         if isinstance(err, (Interrupted, ConfigError)) and state.rank != 0:
@@ -103,6 +103,20 @@ def run(cfg: RunConfig) -> int:
                   f"{type(err).__name__}: {err}\n{traceback.format_exc()}", file=sys.stderr,
                   flush=True)
         return 1
+
+
+def engine_and_job_args(cfg: RunConfig):
+    """The CLI's RunConfig -> the engine's EngineArgs and the offline job's JobArgs (same
+    field names: each takes its own)."""
+    from dataclasses import fields
+
+    from dspark_launch.engine.build import EngineArgs
+    from dspark_launch.engine.runner import JobArgs
+
+    def pick(cls):
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
+
+    return pick(EngineArgs), pick(JobArgs)
 
 
 def is_collective_failure(err: BaseException) -> bool:

@@ -210,23 +210,36 @@ def prompt_ids(prompts: Path) -> list[list[int]]:
 
 
 class Probe:
-    """Installed on each rank before main(): wraps the engine to look at its state after run."""
+    """Installed on each rank before main(): a subclass of the engine that records its state
+    when the job shuts it down, and the acceptance calls (what each verify could accept)."""
 
     def install(self) -> None:
+        import dspark_launch.engine.build as build_mod
         import dspark_launch.engine.engine as engine_mod
-        import dspark_launch.engine.runner as runner_mod
 
-        self._saved = [(runner_mod, "Engine", runner_mod.Engine),
-                       (engine_mod, "greedy_accept", engine_mod.greedy_accept)]
+        self._saved = [(build_mod, "Engine", build_mod.Engine),
+                       (engine_mod, "greedy_accept", engine_mod.greedy_accept),
+                       (engine_mod, "rejection_accept", engine_mod.rejection_accept)]
         self.after: dict = {}
         self.verifies: list[tuple[int, int, int]] = []  # (step, draft_len, accept_len)
         probe = self
-        base = runner_mod.Engine
-        real_accept = engine_mod.greedy_accept
+        base = build_mod.Engine
+        real_greedy, real_rejection = engine_mod.greedy_accept, engine_mod.rejection_accept
 
         class ProbeEngine(base):
-            def run(self, specs, on_finish=None):
-                mine = super().run(specs, on_finish)
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                self.here: list = []
+
+            def _admit(self, req):
+                self.here.append(req)
+                super()._admit(req)
+
+            def step(self):
+                probe.step = self.steps
+                return super().step()
+
+            def shutdown(self):
                 space = self.space
                 probe.after = {
                     "is_full": space.is_full(),
@@ -235,24 +248,29 @@ class Probe:
                     "table_rows_held": int((space.req_to_token != 0).sum()),
                     "slots_held": sum(p is not None for p in space._pages),
                     "has_draft_pool": self.memory.draft is not None,
-                    "requests_here": sorted(r.index for r in mine),
-                    "unfinished": [r.index for r in mine if r.finish_reason is None],
+                    "requests_here": sorted(r.index for r in self.here),
+                    "unfinished": [r.index for r in self.here if r.finish_reason is None],
                     "steps": self.steps,
                 }
-                return mine
+                super().shutdown()
 
-            def _step(self, plan, sched):
-                probe.step = self.steps
-                return super()._step(plan, sched)
-
-        def recording_accept(drafts, draft_lens, target_tokens):
-            acc, bonus = real_accept(drafts, draft_lens, target_tokens)
-            for n, a_len in zip(draft_lens.tolist(), acc.tolist()):
+        def record(draft_lens, accept_len):
+            for n, a_len in zip(draft_lens.tolist(), accept_len.tolist()):
                 probe.verifies.append((probe.step, n, a_len))
+
+        def recording_greedy(drafts, draft_lens, target_tokens):
+            acc, bonus = real_greedy(drafts, draft_lens, target_tokens)
+            record(draft_lens, acc)
             return acc, bonus
 
-        runner_mod.Engine = ProbeEngine
-        engine_mod.greedy_accept = recording_accept
+        def recording_rejection(drafts, draft_lens, *args):
+            acc, nxt = real_rejection(drafts, draft_lens, *args)
+            record(draft_lens, acc)
+            return acc, nxt
+
+        build_mod.Engine = ProbeEngine
+        engine_mod.greedy_accept = recording_greedy
+        engine_mod.rejection_accept = recording_rejection
         self.step = -1
 
     def uninstall(self) -> None:
@@ -310,14 +328,19 @@ def make_drafter(base, full: dict[int, list[int]], mode: str, k: int = 5, vocab:
         def max_drafts(self) -> int:
             return base.max_drafts.fget(self) if hasattr(self, "block_size") else k
 
-        def propose(self, reqs, limits, temperature):
-            proposal = base.propose(self, reqs, limits, temperature)
+        def propose(self, reqs, limits, rows):
+            from dspark_launch.spec.proposer import Proposal
+
+            proposal = base.propose(self, reqs, limits, rows)
+            raw = proposal.tokens.tolist()  # test-only host reads
+            keep = proposal.keep.tolist() if proposal.keep is not None else None
             tokens = []
-            for req, lim, raw in zip(reqs, limits, proposal.tokens):
+            for i, (req, lim) in enumerate(zip(reqs, limits)):
+                mine = raw[i][:proposal.widths[i]]
                 if hasattr(self, "block_size"):
-                    TestDrafter.log["raw"].append((req.index, req.kv_len, list(raw)))
-                if hasattr(self, "last_lengths"):
-                    TestDrafter.log["kept"].append((req.index, self.last_lengths[len(tokens)]))
+                    TestDrafter.log["raw"].append((req.index, req.kv_len, list(raw[i])))
+                    TestDrafter.log["kept"].append(
+                        (req.index, len(raw[i]) if keep is None else keep[i]))
                 seq, pos = full.get(req.index), len(req.all_ids)
                 if seq is not None:
                     assert seq[:pos] == req.all_ids, "the engine committed a non-greedy token"
@@ -329,11 +352,12 @@ def make_drafter(base, full: dict[int, list[int]], mode: str, k: int = 5, vocab:
                     toks = [(seq[pos] + 1 + j) % vocab for j in range(lim)] if pos < len(seq) \
                         else []
                 else:
-                    toks = list(raw)
+                    toks = mine
                 TestDrafter.log["drafts"].append((req.index, pos, toks[:lim]))
-                tokens.append(toks)
-            proposal.tokens = tokens
-            return proposal
+                tokens.append(toks[:lim])
+            if mode == "record":
+                return proposal  # the drafter's own drafts, distributions and cut
+            return Proposal.from_lists(tokens, proposal.tokens.device)  # point masses
 
     return TestDrafter
 
@@ -354,3 +378,93 @@ def with_tokenizer(a: Assets) -> Path:
         tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
         tok.save(str(path / "tokenizer.json"))
     return path
+
+
+# ----------------------------------------------------------------------------- the engine API
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A client event at a given step of an engine drive: add a spec or abort a rid."""
+
+    step: int
+    spec: object = None  # RequestSpec
+    abort: str | None = None
+
+
+def _drive_rank(rank: int, tp: int, dp: int, engine_args, arrivals: list[Arrival],
+                alone: bool) -> dict:
+    """On one rank: init the parallel state, build the engine, feed it `arrivals` by step
+    (or, with `alone`, each add on its own, run to completion before the next), step until
+    idle. Returns every step's outputs, the device->host copies per step, the pool state."""
+    from dspark_launch.args import RunConfig
+    from dspark_launch.engine import transfer
+    from dspark_launch.engine.build import build_engine
+    from dspark_launch.parallel import init_parallel_runtime
+
+    init_parallel_runtime(RunConfig(tp_size=tp, attn_dp_size=dp, device="cpu"))
+    engine = build_engine(engine_args)
+    steps: list[list] = []
+    copies: list[int] = []
+
+    def one_step() -> None:
+        before = transfer.copies
+        steps.append(engine.step())
+        copies.append(transfer.copies - before)
+
+    if alone:
+        for a in arrivals:
+            engine.add_request(a.spec)
+            one_step()
+            while engine.has_work:
+                one_step()
+    else:
+        last = max((a.step for a in arrivals), default=0)
+        step = 0
+        while step <= last or engine.has_work:
+            for a in arrivals:
+                if a.step == step:
+                    if a.spec is not None:
+                        engine.add_request(a.spec)
+                    else:
+                        engine.abort(a.abort)
+            one_step()
+            step += 1
+    result = {"steps": steps, "copies": copies, "pool_full": engine.space.is_full(),
+              "table_clear": int((engine.space.req_to_token != 0).sum()) == 0}
+    engine.shutdown()
+    return result
+
+
+def drive(engine_args, arrivals: list[Arrival], world: int = 1, dp: int = 1,
+          alone: bool = False, timeout: float = 180.0) -> list[dict]:
+    """Run the engine API on a forked gloo world; one result per rank (see _drive_rank)."""
+    gc.collect()
+    return run_world(world, _drive_rank, world, dp, engine_args, arrivals, alone,
+                     timeout=timeout)
+
+
+def final_outputs(result: dict) -> dict:
+    """rid -> the last RequestOutput reported for it."""
+    out = {}
+    for outs in result["steps"]:
+        for o in outs:
+            out[o.rid] = o
+    return out
+
+
+def spec(index: int, prompt: list[int], rid: str | None = None, **params):
+    from dspark_launch.engine.params import SamplingParams
+    from dspark_launch.engine.request import RequestSpec
+
+    return RequestSpec(index=index, rid=rid or f"r{index}", prompt_ids=tuple(prompt),
+                       params=SamplingParams(**params))
+
+
+def engine_args(a: Assets, algorithm: str, draft: Path | None = None, model: Path | None = None,
+                **kw):
+    from dspark_launch.engine.build import EngineArgs
+
+    return EngineArgs(model=str(model or a.target), speculative_algorithm=algorithm,
+                      draft=None if draft is None else str(draft),
+                      kv_cache_memory=64 * 2**20, max_total_tokens=4096, **kw)

@@ -1,31 +1,42 @@
-"""The SPMD step loop: schedule -> draft -> one target forward -> accept -> commit.
+"""The SPMD engine: requests arrive over time; every rank calls step() in lockstep.
 
-Every rank runs this loop. Requests are placed on attn_dp groups up front; inside a group
-every rank holds the same requests and sees the same (all-gathered) tokens, so the group's
-schedulers agree without messages. Across groups the only coupling is the target forward
-(its MLP gathers every group's tokens), which every rank joins every step, with zero tokens
-when its group is idle, until no group has work left.
+One step: schedule -> propose -> exchange -> verify -> accept -> commit (then the step's
+events and outputs). Inside an attn_dp group every rank holds the same requests and sees the
+same tokens, so the group's schedulers agree without messages. Across groups the only
+couplings are the per-step exchange (engine/exchange.py) and the target forward, whose MLP
+gathers every group's tokens: every rank joins it whenever any group has tokens, idle ones with
+none. The host learns a step's results in one device->host copy (engine/transfer.py).
+
+Client calls (add_request, abort) are honoured on rank 0 and are no-ops elsewhere; they reach
+every rank through the next step's exchange.
 """
 
 from __future__ import annotations
 
+import gc
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from dspark_launch.attention import build_metadata
-from dspark_launch.comm import all_gather_ints
-from dspark_launch.engine.output import request_record
-from dspark_launch.engine.request import Request, RequestSpec, Status
+from dspark_launch.engine import transfer
+from dspark_launch.engine.exchange import IDLE_WAIT_S, Flags, Inbox, exchange
+from dspark_launch.engine.request import (
+    Request,
+    RequestOutput,
+    RequestSpec,
+    Status,
+    refused_output,
+)
 from dspark_launch.engine.scheduler import Scheduler, StepPlan
-from dspark_launch.failure import Interrupted, inject_fault, progress, received_signal
+from dspark_launch.failure import Interrupted, inject_fault, progress
 from dspark_launch.parallel import get_parallel
-from dspark_launch.spec.proposer import Proposer
-from dspark_launch.spec.sampling import GREEDY_EPS, probs_from_logits, request_generator, sample
-from dspark_launch.spec.verify import greedy_accept, rejection_accept
+from dspark_launch.spec.keyed import ACCEPT, SAMPLE, request_key, uniforms
+from dspark_launch.spec.proposer import Proposal, Proposer
+from dspark_launch.spec.sampling import SamplingRows, draw, target_probs
+from dspark_launch.spec.verify import committed_tokens, greedy_accept, rejection_accept
 
 
 @dataclass(frozen=True)
@@ -35,233 +46,148 @@ class EngineLimits:
     context_limit: int  # prompt + output tokens per request
     eos_ids: tuple[int, ...]
     seed: int = 0
-    top_k: int = 0
-    top_p: float = 1.0
 
 
-def assign_groups(specs: list[RequestSpec], groups: int) -> list[list[RequestSpec]]:
-    """Least-loaded placement by prompt + output tokens, computed identically on every rank."""
-    load = [0] * groups
-    out: list[list[RequestSpec]] = [[] for _ in range(groups)]
-    for spec in specs:
-        g = min(range(groups), key=lambda i: (load[i], i))
-        out[g].append(spec)
-        load[g] += len(spec.prompt_ids) + spec.max_new_tokens
-    return out
+@dataclass
+class Verified:
+    """A verify forward's results, still on the device."""
+
+    first: torch.Tensor  # [P] int64 first tokens of prompts that completed their prefill
+    accept_len: torch.Tensor  # [R] int64 accepted drafts per decode request
+    committed: torch.Tensor  # [R, W] int64 committed tokens, -1 padded
 
 
 class Engine:
-    def __init__(self, target, proposer: Proposer, memory, backend, limits: EngineLimits) -> None:
+    def __init__(self, target, proposer: Proposer, memory, backend, limits: EngineLimits,
+                 tokenizer=None) -> None:
         self.target = target
         self.proposer = proposer
         self.memory = memory
         self.space = memory.space
         self.backend = backend
         self.limits = limits
+        self.tokenizer = tokenizer
         self.device = target.device
         self.steps = 0
-
-    # ------------------------------------------------------------------ public
-
-    def run(
-        self,
-        specs: list[RequestSpec],
-        on_finish: Callable[[list[dict]], None] | None = None,
-    ) -> list[Request]:
-        """Decode every spec; returns this group's requests. `on_finish` runs on every rank
-        with the requests that finished anywhere (gathered), as soon as they finish."""
         state = get_parallel()
-        mine = [Request(s) for s in assign_groups(specs, state.attn_dp_size)[state.attn_dp_rank]]
-        for req in mine:
-            req.generator = request_generator(self.limits.seed, req.index)
-        sched = Scheduler(mine, self.space, self.limits.max_running, self.limits.chunk_size,
-                          self._round_rows)
-        pending: list[Request] = []  # finished here, not yet reported
-        progress.phase = "decode"
-        while True:
-            progress.step = self.steps
-            plan = sched.schedule()
-            if plan.empty and sched.has_work and (stuck := self._unstick(sched)) is not None:
-                pending.append(stuck)
-            # One small all-gather per step: who has tokens, who has work, who finished
-            # something, and whether any rank was asked to stop (so all stop after this step).
-            flags = all_gather_ints([int(not plan.empty), int(sched.has_work), len(pending),
-                                     received_signal()])
-            if any(f[2] for f in flags):
-                gathered = self._gather_finished(pending)
-                if on_finish is not None:
-                    on_finish(gathered)
-                pending = []
-            stop = max(f[3] for f in flags)
-            if stop:
-                raise Interrupted(stop)
-            if not any(f[0] for f in flags):
-                if not any(f[1] for f in flags):
-                    break
-                continue
-            inject_fault(get_parallel().rank, self.steps)
-            # Some group has tokens: every rank joins the target forward, idle ones with none.
-            pending = self._step(plan, sched) if not plan.empty else self._idle_forward()
-            self.steps += 1
-        return mine
+        self.sched = Scheduler([], self.space, limits.max_running, limits.chunk_size,
+                               self._round_rows)
+        self.inbox = Inbox()
+        # Replicated on every rank: where each unfinished request runs, and each group's load.
+        self.live: dict[int, tuple[int, int]] = {}  # index -> (attn_dp group, load)
+        self.load = [0] * state.attn_dp_size
+        # Filled by build_engine: what was loaded, the memory plan, generation_config.json.
+        self.checkpoints = None
+        self.plan = None
+        self.generation_defaults: dict = {}
 
-    # ------------------------------------------------------------------ one step
+    # ------------------------------------------------------------------ client API
+
+    @property
+    def context_limit(self) -> int:
+        return self.limits.context_limit
+
+    def refusal(self, prompt_ids) -> str | None:
+        """Why a prompt cannot run here (None: it can)."""
+        if not prompt_ids:
+            return "empty prompt"
+        if len(prompt_ids) >= self.context_limit:
+            return (f"prompt of {len(prompt_ids)} tokens does not fit the context limit of "
+                    f"{self.context_limit} tokens (prompt + at least one new token)")
+        return None
+
+    def add_request(self, spec: RequestSpec) -> None:
+        """Queue a request (rank 0 only; a no-op on other ranks). Thread-safe. It joins the
+        engine at the next step(); a prompt that cannot run finishes there as "refused"."""
+        if get_parallel().rank != 0:
+            return
+        if spec.refused is None and (why := self.refusal(spec.prompt_ids)) is not None:
+            spec = replace(spec, refused=why)
+        self.inbox.put(("add", spec, time.time()))
+
+    def abort(self, rid: str) -> None:
+        """Finish every unfinished request with this rid as "abort" at the next step, freeing
+        its pages (rank 0 only; a no-op elsewhere). Thread-safe."""
+        if get_parallel().rank == 0:
+            self.inbox.put(("abort", rid))
+
+    @property
+    def has_work(self) -> bool:
+        """Some request is unfinished, as every rank agreed at the end of the last step.
+        Requests added since then count only after the next step() has carried them."""
+        return bool(self.live)
+
+    def shutdown(self) -> None:
+        """Drop the models, pools and table; the engine cannot step afterwards."""
+        self.target = self.proposer = self.memory = self.space = self.sched = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        """One lockstep step on every rank -> the same outputs on every rank: one per request
+        (any group) that committed tokens or finished. Idle: returns [] after at most
+        IDLE_WAIT_S. Raises Interrupted on every rank when any rank received a signal."""
+        state = get_parallel()
+        progress.phase, progress.step = "decode", self.steps
+        report: list[Request] = []
+        plan = self.sched.schedule()
+        if plan.empty and self.sched.has_work and (stuck := self._unstick()) is not None:
+            report.append(stuck)
+        t0 = time.perf_counter()
+        proposal = self._propose(plan.decode)
+        widths = self._widths(plan.decode, proposal)
+        tokens = sum(n for _, n in plan.prefill) + sum(1 + w for w in widths)
+        events: list[tuple] = []
+        if state.rank == 0:
+            idle = not self.live and plan.empty and not report
+            events = self.inbox.take(IDLE_WAIT_S if idle else 0.0)
+        flags, events = exchange(events, tokens, self.sched.has_work)
+        if flags.signal:
+            raise Interrupted(flags.signal)
+        if any(flags.tokens):
+            inject_fault(state.rank, self.steps)
+            if tokens:
+                report += self._verify_and_commit(plan, proposal, widths, flags, t0)
+            else:
+                self._idle_forward(flags)
+            self.steps += 1
+        refused = []
+        for event in events:
+            if event[0] == "add":
+                refused += self._place(event[1], event[2])
+            else:
+                report += self._abort_here(event[1])
+        outputs = self._gather(report, gather=any(flags.tokens) or bool(events) or flags.work)
+        outputs += refused
+        for out in outputs:
+            if out.finished and out.index in self.live:
+                group, load = self.live.pop(out.index)
+                self.load[group] -= load
+        return outputs
+
+    # -- schedule helpers
 
     def _round_rows(self, req: Request) -> int:
         return max(1 + self._draft_limit(req), self.proposer.block_rows)
 
     def _draft_limit(self, req: Request) -> int:
-        """Drafts worth verifying: never past max_new_tokens or the context limit."""
+        """Drafts worth verifying: never past max_tokens or the context limit."""
         room = min(req.remaining, self.limits.context_limit - req.num_ids)
         return max(0, min(self.proposer.max_drafts, room - 1))
 
-    def _step(self, plan: StepPlan, sched: Scheduler) -> list[Request]:
-        t0 = time.perf_counter()
-        limits = [self._draft_limit(r) for r in plan.decode]
-        drafts: list[list[int]] = [[] for _ in plan.decode]
-        q: list[torch.Tensor | None] = [None for _ in plan.decode]
-        if plan.decode and self.proposer.max_drafts:
-            proposal = self.proposer.propose(plan.decode, limits,
-                                             [r.spec.temperature for r in plan.decode])
-            drafts = [toks[:k] for toks, k in zip(proposal.tokens, limits)]
-            q = [None if qq is None else qq[:len(d)] for qq, d in zip(proposal.q, drafts)]
-        t1 = time.perf_counter()
-
-        reqs = [r for r, _ in plan.prefill] + plan.decode
-        blocks = [[r.anchor] + d for r, d in zip(plan.decode, drafts)]
-        token_lists = [r.fill_ids[r.kv_len:r.kv_len + n] for r, n in plan.prefill] + blocks
-        meta = build_metadata(
-            self.space.req_to_token, [r.slot for r in reqs], [r.kv_len for r in reqs],
-            [len(t) for t in token_lists], "causal", device=self.device)
-        ids = torch.tensor([t for toks in token_lists for t in toks], dtype=torch.int64,
-                           device=self.device)
-        hidden, captured = self.target.forward(ids, meta, self.backend, self.memory.target,
-                                               self.proposer.capture_layer_ids)
-        starts = meta.q_indptr.tolist()
-
-        # Rows whose next-token distribution matters: a prefill's last row when it completes
-        # a fresh prompt, and every row of a verify block.
-        n_pre = len(plan.prefill)
-        first = [r.kv_len + n == r.fill_len and not r.output_ids for r, n in plan.prefill]
-        rows = [starts[i + 1] - 1 for i, f in enumerate(first) if f]
-        temps = [r.spec.temperature for (r, _), f in zip(plan.prefill, first) if f]
-        for j, (req, block) in enumerate(zip(plan.decode, blocks)):
-            rows.extend(range(starts[n_pre + j], starts[n_pre + j] + len(block)))
-            temps.extend([req.spec.temperature] * len(block))
-        greedy, probs = self._next_token_dists(hidden, rows, temps)
-        t2 = time.perf_counter()
-
-        finished: list[Request] = []
-        mat_rows: list[int] = []  # forward rows whose K/V the draft context must now hold
-        mat_pos: list[int] = []
-        cursor = 0
-        for i, (req, n) in enumerate(plan.prefill):
-            mat_rows.extend(range(starts[i], starts[i] + n))
-            mat_pos.extend(range(req.kv_len, req.kv_len + n))
-            req.kv_len += n
-            if first[i]:
-                req.first_token_at = time.perf_counter()
-                tok = greedy[cursor] if greedy is not None else sample(
-                    probs[cursor], req.generator)
-                cursor += 1
-                if self._append(req, [tok]):
-                    finished.append(req)
-        if greedy is not None and blocks:
-            accepted = self._greedy_accept_all(blocks, greedy[cursor:])
-        for j, (req, block) in enumerate(zip(plan.decode, blocks)):
-            width = len(block)
-            if greedy is not None:
-                accept_len, nxt = accepted[j]
-            else:
-                accept_len, nxt = rejection_accept(
-                    block[1:], q[j], probs[cursor:cursor + width], req.generator)
-            cursor += width
-            row0 = starts[n_pre + j]
-            mat_rows.extend(range(row0, row0 + accept_len + 1))
-            mat_pos.extend(range(req.kv_len, req.kv_len + accept_len + 1))
-            req.kv_len += accept_len + 1  # the anchor and the accepted drafts are now cached
-            req.draft_time += t1 - t0
-            req.verify_time += t2 - t1
-            before = len(req.output_ids)
-            done = self._append(req, block[1:1 + accept_len] + [nxt])
-            req.accept_lens.append(len(req.output_ids) - before)
-            if done:
-                finished.append(req)
-            else:
-                self.space.truncate(req.slot, req.kv_len)  # roll back rejected rows by length
-        if self.proposer.capture_layer_ids and mat_rows:
-            sel = torch.tensor(mat_rows, dtype=torch.int64, device=self.device)
-            positions = torch.tensor(mat_pos, dtype=torch.int64, device=self.device)
-            self.proposer.materialize(captured[sel], positions, meta.out_rows[sel])
-        for req in finished:
-            sched.finish(req)
-        return finished
-
-    @staticmethod
-    def _greedy_accept_all(blocks: list[list[int]], greedy: list[int]
-                           ) -> list[tuple[int, int]]:
-        """(accept_len, bonus) per verify block [anchor, drafts...], all in one tensor op.
-
-        greedy holds the target's argmax for every block row, blocks back to back. Rows are
-        padded with -1 (never a token id) to the widest block.
-        """
-        width = max(len(b) for b in blocks)
-        drafts, targets, start = [], [], 0
-        for b in blocks:
-            drafts.append(b[1:] + [-1] * (width - len(b)))
-            targets.append(greedy[start:start + len(b)] + [-1] * (width - len(b)))
-            start += len(b)
-        acc, bonus = greedy_accept(
-            torch.tensor(drafts, dtype=torch.int64).view(len(blocks), width - 1),
-            torch.tensor([len(b) - 1 for b in blocks], dtype=torch.int64),
-            torch.tensor(targets, dtype=torch.int64))
-        return list(zip(acc.tolist(), bonus.tolist()))
-
-    def _next_token_dists(
-        self, hidden: torch.Tensor, rows: list[int], temps: list[float]
-    ) -> tuple[list[int] | None, torch.Tensor | None]:
-        """Greedy argmax over the vocab shards when every row is greedy (no full-vocab gather),
-        else the target distributions [len(rows), V] for sampling."""
-        if all(t < GREEDY_EPS for t in temps):
-            if not rows:
-                return [], None
-            # A pure decode step wants every row: skip the gather.
-            picked = hidden if rows == list(range(hidden.shape[0])) else hidden[rows]
-            return self.target.greedy(picked).tolist(), None
-        logits = self.target.logits(hidden[rows]).float().cpu()
-        probs = torch.cat([
-            probs_from_logits(logits[i:i + 1], t, self.limits.top_k, self.limits.top_p)
-            for i, t in enumerate(temps)])
-        return None, probs
-
-    def _append(self, req: Request, tokens: list[int]) -> bool:
-        """Append committed tokens until a stop rule fires; True when the request finished.
-        Nothing after a stop token is emitted."""
-        for tok in tokens:
-            req.output_ids.append(tok)
-            if tok in self.limits.eos_ids:
-                return self._finish(req, "stop")
-            if len(req.output_ids) >= req.spec.max_new_tokens:
-                return self._finish(req, "length")
-            if req.num_ids >= self.limits.context_limit:
-                return self._finish(req, "context_length")
-        return False
-
-    def _finish(self, req: Request, reason: str) -> bool:
-        req.finish_reason = reason
-        req.finished_at = time.perf_counter()
-        return True
-
-    def _unstick(self, sched: Scheduler) -> Request | None:
+    def _unstick(self) -> Request | None:
         """Nothing could be scheduled although work remains. Several running requests that
         hold each other's pages: the youngest yields (recomputed later). A lone request that
-        still cannot fit ends with finish_reason "kv_capacity" instead of hanging the job
-        (context_limit is sized so that this should not happen)."""
+        still cannot fit ends with finish_reason "kv_capacity" instead of hanging."""
+        sched = self.sched
         if len(sched.running) > 1:
             sched.preempt(max(sched.running, key=lambda r: r.admitted_seq))
             return None
         req = sched.running[0] if sched.running else sched.waiting[0]
-        self._finish(req, "kv_capacity")
+        req.finish("kv_capacity")
         if req.status is Status.WAITING:
             sched.waiting.remove(req)
             req.status = Status.FINISHED
@@ -269,20 +195,244 @@ class Engine:
             sched.finish(req)
         return req
 
-    def _idle_forward(self) -> list[Request]:
+    # -- propose
+
+    def _request_rows(self, reqs: list[Request], offset: int = 0) -> SamplingRows:
+        """Per request: its sampling parameters, key, and its next output position."""
+        return SamplingRows.build([r.params for r in reqs], [r.key for r in reqs],
+                                  [len(r.output_ids) + offset for r in reqs], self.device)
+
+    def _propose(self, decode: list[Request]) -> Proposal | None:
+        if not decode or not self.proposer.max_drafts:
+            return None
+        limits = [self._draft_limit(r) for r in decode]
+        return self.proposer.propose(decode, limits, self._request_rows(decode))
+
+    def _widths(self, decode: list[Request], proposal: Proposal | None) -> list[int]:
+        if proposal is None:
+            return [0] * len(decode)
+        return [min(w, self._draft_limit(r)) for r, w in zip(decode, proposal.widths)]
+
+    # -- verify
+
+    def _verify_and_commit(self, plan: StepPlan, proposal: Proposal | None, widths: list[int],
+                           flags: Flags, t0: float) -> list[Request]:
+        t1 = time.perf_counter()
+        reqs = [r for r, _ in plan.prefill] + plan.decode
+        q_lens = [n for _, n in plan.prefill] + [1 + w for w in widths]
+        meta = build_metadata(self.space.req_to_token, [r.slot for r in reqs],
+                              [r.kv_len for r in reqs], q_lens, "causal", device=self.device)
+        ids = self._input_ids(plan, proposal, widths)
+        hidden, captured = self.target.forward(ids, meta, self.backend, self.memory.target,
+                                               self.proposer.capture_layer_ids, flags.tokens)
+        if self.proposer.capture_layer_ids:
+            # Every row's context K/V goes into the draft pool now, rejected rows too: they
+            # sit past the committed length, where the next block overwrites them.
+            self.proposer.materialize(captured, meta.positions, meta.out_rows)
+        firsts = [r.kv_len + n == r.fill_len and not r.output_ids for r, n in plan.prefill]
+        result = self._accept(plan, proposal, widths, q_lens, firsts, hidden)
+        first, accept_len, committed = (([], [], []) if result is None else
+                                        transfer.to_host(result.first, result.accept_len,
+                                                         result.committed))
+        t2 = time.perf_counter()
+        return self._commit(plan, firsts, first, accept_len, committed, t1 - t0, t2 - t1)
+
+    def _input_ids(self, plan: StepPlan, proposal: Proposal | None, widths: list[int]
+                   ) -> torch.Tensor:
+        """Prefill chunks (host tokens) then each [anchor, drafts] block (device drafts)."""
+        host = [t for r, n in plan.prefill for t in r.fill_ids[r.kv_len:r.kv_len + n]]
+        anchors = [r.anchor for r in plan.decode]
+        ids = torch.tensor(host + anchors, dtype=torch.int64).to(self.device)
+        if not plan.decode or not any(widths):
+            return ids
+        w = 1 + max(widths)
+        blocks = torch.cat([ids[len(host):, None], proposal.tokens[:, :w - 1]], dim=1)  # [R, W]
+        pick = torch.tensor([i * w + j for i, n in enumerate(widths) for j in range(1 + n)],
+                            dtype=torch.int64).to(self.device)
+        return torch.cat([ids[:len(host)], blocks.reshape(-1)[pick]])
+
+    # -- accept
+
+    def _accept(self, plan: StepPlan, proposal: Proposal | None, widths: list[int],
+                q_lens: list[int], firsts: list[bool], hidden: torch.Tensor) -> Verified | None:
+        """Next-token rows -> first tokens, accept lengths and committed tokens (device)."""
+        starts = [0]
+        for n in q_lens:
+            starts.append(starts[-1] + n)
+        n_pre = len(plan.prefill)
+        # Logit rows: a completed fresh prompt's last row, then every row of each block.
+        wanted = [starts[i + 1] - 1 for i, f in enumerate(firsts) if f]
+        owners = [r for (r, _), f in zip(plan.prefill, firsts) if f]
+        positions = [0] * len(wanted)
+        for j, (req, w) in enumerate(zip(plan.decode, widths)):
+            wanted += range(starts[n_pre + j], starts[n_pre + j] + 1 + w)
+            owners += [req] * (1 + w)
+            positions += range(len(req.output_ids), len(req.output_ids) + 1 + w)
+        if not wanted:
+            return None
+        n_first, n_dec, w = len(wanted) - sum(1 + x for x in widths), len(widths), \
+            1 + max(widths, default=0)
+        offsets = [n_first]
+        for x in widths:
+            offsets.append(offsets[-1] + 1 + x)
+        # [R, W] logit row of each block position, padded by repeating the block's last row.
+        block_rows = torch.tensor([[offsets[i] + min(j, x) for j in range(w)]
+                                   for i, x in enumerate(widths)],
+                                  dtype=torch.int64).reshape(n_dec, w).to(self.device)
+        rows = SamplingRows.build([r.params for r in owners], [r.key for r in owners],
+                                  positions, self.device)
+        bans = self._bans(owners, positions)
+        drafts = (proposal.tokens[:, :w - 1] if proposal is not None
+                  else torch.zeros((n_dec, 0), dtype=torch.int64, device=self.device))
+        draft_lens = torch.tensor(widths, dtype=torch.int64).to(self.device)
+        if proposal is not None and proposal.keep is not None:
+            draft_lens = torch.minimum(draft_lens, proposal.keep)
+        picked = hidden if len(wanted) == hidden.shape[0] else hidden[
+            torch.tensor(wanted, dtype=torch.int64).to(self.device)]
+        if rows.all_greedy and bans is None:
+            # Greedy fast path: argmax over the vocab shards, no softmax, no gathered row.
+            best = self.target.greedy(picked)  # [N]
+            accept_len, nxt = greedy_accept(drafts, draft_lens, best[block_rows])
+            return Verified(best[:n_first], accept_len, committed_tokens(drafts, accept_len,
+                                                                         nxt))
+        logits = self.target.logits(picked).float()  # [N, V]
+        if bans is not None:
+            logits[bans] = float("-inf")
+        p = target_probs(logits, rows)  # [N, V]
+        u_sample = uniforms(rows.keys, rows.positions, SAMPLE)  # [N]
+        first = draw(p[:n_first], u_sample[:n_first])
+        q = proposal.q[:, :w - 1] if proposal is not None and proposal.q is not None else None
+        u_accept = uniforms(rows.keys[block_rows[:, :w - 1]],
+                            rows.positions[block_rows[:, :w - 1]], ACCEPT)  # [R, W-1]
+        accept_len, nxt = rejection_accept(drafts, draft_lens, q, p[block_rows],
+                                           u_accept, u_sample[block_rows])
+        return Verified(first, accept_len, committed_tokens(drafts, accept_len, nxt))
+
+    def _bans(self, owners: list[Request], positions: list[int]
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(logit rows, token ids) masked out because the row's position is below its
+        request's min_tokens: EOS (unless ignore_eos) and stop_token_ids."""
+        rows, ids = [], []
+        for i, (req, pos) in enumerate(zip(owners, positions)):
+            if pos < req.params.min_tokens:
+                for tok in self._stop_ids(req):
+                    rows.append(i)
+                    ids.append(tok)
+        if not rows:
+            return None
+        both = torch.tensor([rows, ids], dtype=torch.int64).to(self.device)
+        return both[0], both[1]
+
+    def _stop_ids(self, req: Request) -> tuple[int, ...]:
+        eos = () if req.params.ignore_eos else self.limits.eos_ids
+        return eos + req.params.stop_token_ids
+
+    # -- commit
+
+    def _commit(self, plan: StepPlan, firsts: list[bool], first: list[int],
+                accept_len: list[int], committed: list[int], draft_s: float, verify_s: float
+                ) -> list[Request]:
+        report: list[Request] = []
+        finished: list[Request] = []
+        now = time.time()
+        cursor = 0
+        for (req, n), is_first in zip(plan.prefill, firsts):
+            req.kv_len += n
+            if is_first:
+                req.first_token_at = now
+                report.append(req)
+                if self._append(req, [first[cursor]]):
+                    finished.append(req)
+                cursor += 1
+        w = len(committed) // len(plan.decode) if plan.decode else 0
+        for j, req in enumerate(plan.decode):
+            n_acc = accept_len[j]
+            req.kv_len += n_acc + 1  # the anchor and the accepted drafts are now cached
+            req.draft_time += draft_s
+            req.verify_time += verify_s
+            before = len(req.output_ids)
+            done = self._append(req, committed[j * w:j * w + n_acc + 1])
+            req.accept_lens.append(len(req.output_ids) - before)
+            report.append(req)
+            if done:
+                finished.append(req)
+            else:
+                self.space.truncate(req.slot, req.kv_len)  # roll back rejected rows by length
+        for req in finished:
+            self.sched.finish(req)
+        return report
+
+    def _append(self, req: Request, tokens: list[int]) -> bool:
+        """Append committed tokens until a stop rule fires; True when the request finished.
+        Nothing after a stop token is emitted; stop ids count from min_tokens on."""
+        stops = self._stop_ids(req)
+        for tok in tokens:
+            req.output_ids.append(tok)
+            n = len(req.output_ids)
+            if tok in stops and n > req.params.min_tokens:
+                req.finish("stop")
+                return True
+            if n >= req.params.max_tokens:
+                req.finish("length")
+                return True
+            if req.num_ids >= self.limits.context_limit:
+                req.finish("context_length")
+                return True
+        return False
+
+    def _idle_forward(self, flags: Flags) -> None:
         """Join the TP-wide collectives of the target forward with zero tokens."""
         meta = build_metadata(self.space.req_to_token, [], [], [], device=self.device)
         ids = torch.zeros(0, dtype=torch.int64, device=self.device)
         self.target.forward(ids, meta, self.backend, self.memory.target,
-                            self.proposer.capture_layer_ids)
+                            self.proposer.capture_layer_ids, flags.tokens)
+
+    # -- events and outputs
+
+    def _place(self, spec: RequestSpec, arrival: float) -> list[RequestOutput]:
+        """Put a new request on the least-loaded attn_dp group (the same choice on every
+        rank: the loads are replicated). A refused spec finishes at once, everywhere."""
+        if spec.refused is not None:
+            return [refused_output(spec, arrival)]
+        state = get_parallel()
+        group = min(range(len(self.load)), key=lambda g: (self.load[g], g))
+        load = len(spec.prompt_ids) + spec.params.max_tokens
+        self.load[group] += load
+        self.live[spec.index] = (group, load)
+        if group == state.attn_dp_rank:
+            self._admit(Request(spec, arrival, request_key(self.limits.seed, spec.index,
+                                                           spec.params.seed)))
         return []
 
-    def _gather_finished(self, finished: list[Request]) -> list[dict]:
-        """Every group's finished requests as records, on every rank (one copy per group)."""
+    def _admit(self, req: Request) -> None:
+        self.sched.waiting.append(req)
+
+    def _abort_here(self, rid: str) -> list[Request]:
+        out = []
+        for req in [*self.sched.running, *self.sched.waiting]:
+            if req.spec.rid != rid or req.finish_reason is not None:
+                continue
+            req.finish("abort")
+            if req.status is Status.WAITING:
+                self.sched.waiting.remove(req)
+                req.status = Status.FINISHED
+            else:
+                self.sched.finish(req)
+            out.append(req)
+        return out
+
+    def _gather(self, report: list[Request], gather: bool) -> list[RequestOutput]:
+        """This group's outputs -> every group's, on every rank (one copy per group)."""
+        seen: set[int] = set()
+        mine = []
+        for req in report:
+            if id(req) not in seen:
+                seen.add(id(req))
+                mine.append(req.output())
         state = get_parallel()
-        mine = [request_record(r) for r in finished] if state.attn_tp_rank == 0 else []
-        if state.world_size == 1:
+        if state.attn_dp_size == 1 or not gather:
             return mine
-        everyone: list[list[dict]] = [[] for _ in range(state.world_size)]
-        dist.all_gather_object(everyone, mine, group=state.cpu_group)
-        return [r for part in everyone for r in part]
+        send = mine if state.attn_tp_rank == 0 else []
+        everyone: list[list[RequestOutput]] = [[] for _ in range(state.world_size)]
+        dist.all_gather_object(everyone, send, group=state.cpu_group)
+        return [o for part in everyone for o in part]

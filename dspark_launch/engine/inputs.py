@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dspark_launch.engine.params import SamplingParams
 from dspark_launch.engine.request import RequestSpec
 from dspark_launch.errors import ConfigError
 
@@ -64,12 +65,15 @@ def build_specs(
     context_limit: int,
     vocab_size: int,
     source: str = "--prompts",
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> list[RequestSpec]:
     specs: list[RequestSpec] = []
     for index, row in enumerate(rows):
         where = f"{source} line {row.get('_line', index + 1)}"
         mnt = _field(row, "max_new_tokens", int, max_new_tokens, where)
         temp = _field(row, "temperature", float, temperature, where)
+        seed = _field(row, "seed", int, None, where)
         if mnt <= 0:
             raise ConfigError(f"{where}: max_new_tokens={mnt} must be >= 1")
         if temp < 0:
@@ -99,5 +103,7 @@ def build_specs(
                        f"{context_limit} tokens (prompt + at least one new token)")
         specs.append(RequestSpec(
             index=index, rid=str(row.get("id", index)), prompt_ids=tuple(ids),
-            max_new_tokens=mnt, temperature=temp, prompt_text=text, refused=refused))
+            params=SamplingParams(max_tokens=mnt, temperature=temp, top_k=top_k, top_p=top_p,
+                                  seed=seed),
+            prompt_text=text, refused=refused))
     return specs

@@ -8,31 +8,31 @@ import os
 from collections import Counter
 from pathlib import Path
 
-from dspark_launch.engine.request import Request, RequestSpec
+from dspark_launch.engine.request import RequestOutput, RequestSpec
 from dspark_launch.errors import ConfigError
 
 
-def request_record(req: Request) -> dict:
-    """Everything about a finished request, built on the rank that ran it."""
-    end = req.finished_at or req.arrival
-    ttft = (req.first_token_at - req.arrival) if req.first_token_at else None
-    n_out = len(req.output_ids)
-    tpot = (end - req.first_token_at) / (n_out - 1) if req.first_token_at and n_out > 1 else None
+def request_record(out: RequestOutput) -> dict:
+    """Everything about a finished request (the same on every rank)."""
+    end = out.finished_at or out.arrival
+    ttft = (out.first_token_at - out.arrival) if out.first_token_at else None
+    n_out = len(out.output_ids)
+    tpot = (end - out.first_token_at) / (n_out - 1) if out.first_token_at and n_out > 1 else None
     return {
-        "index": req.spec.index,
-        "id": req.spec.rid,
-        "prompt_tokens": len(req.spec.prompt_ids),
+        "index": out.index,
+        "id": out.rid,
+        "prompt_tokens": out.prompt_tokens,
         "completion_tokens": n_out,
-        "output_ids": list(req.output_ids),
-        "finish_reason": req.finish_reason,
-        "accept_lens": list(req.accept_lens),
-        "rounds": len(req.accept_lens),
+        "output_ids": list(out.output_ids),
+        "finish_reason": out.finish_reason,
+        "accept_lens": list(out.accept_lens),
+        "rounds": len(out.accept_lens),
         "ttft_s": ttft,
         "tpot_s": tpot,
-        "latency_s": end - req.arrival,
-        "draft_s": req.draft_time,
-        "verify_s": req.verify_time,
-        "preemptions": req.preemptions,
+        "latency_s": end - out.arrival,
+        "draft_s": out.draft_s,
+        "verify_s": out.verify_s,
+        "preemptions": out.preemptions,
     }
 
 

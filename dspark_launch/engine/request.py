@@ -1,4 +1,5 @@
-"""One request's state through the engine: waiting -> prefill -> decode -> finished."""
+"""One request's state through the engine: waiting -> prefill -> decode -> finished, and what
+the engine reports about it after each step."""
 
 from __future__ import annotations
 
@@ -6,46 +7,77 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-import torch
+from dspark_launch.engine.params import SamplingParams
+
+FINISH_REASONS = ("stop", "length", "abort", "context_length", "kv_capacity", "refused")
 
 
 class Status(str, Enum):
     WAITING = "waiting"
-    RUNNING = "running"  # holds a slot; prefilling until kv_len == len(fill_ids)
+    RUNNING = "running"  # holds a request slot; prefilling until kv_len == fill_len
     FINISHED = "finished"
 
 
 @dataclass(frozen=True)
 class RequestSpec:
-    """What rank 0 read and broadcast: identical on every rank."""
+    """What a client hands the engine (rank 0 broadcasts it): identical on every rank."""
 
-    index: int  # position in the input: output order
-    rid: str
+    index: int  # unique per engine: output order of the offline job, and the default seed key
+    rid: str  # the client's id; Engine.abort(rid) names it
     prompt_ids: tuple[int, ...]
-    max_new_tokens: int
-    temperature: float
+    params: SamplingParams = field(default_factory=SamplingParams)
     prompt_text: str | None = None
     refused: str | None = None  # a reason when the request is refused before it runs
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One request's progress in one step; Engine.step() returns the same list on every rank.
+
+    Times are wall-clock seconds (time.time()): arrival from rank 0's clock, the others from
+    the clock of the rank that ran the request (under attn_dp > 1 one rank's readings reach
+    every rank; inside one attention group each rank reads its own clock for the same event,
+    so only these readings may differ between ranks)."""
+
+    rid: str
+    index: int
+    new_token_ids: tuple[int, ...]  # committed in this step
+    output_ids: tuple[int, ...]  # all committed so far
+    finished: bool
+    finish_reason: str | None  # one of FINISH_REASONS once finished
+    prompt_tokens: int
+    accept_lens: tuple[int, ...]  # tokens committed per draft/verify round
+    arrival: float
+    first_token_at: float | None
+    finished_at: float | None
+    preemptions: int
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    error: str | None = None  # the refusal reason when finish_reason == "refused"
 
 
 @dataclass
 class Request:
     spec: RequestSpec
+    arrival: float
+    key: int  # keyed randomness (spec.keyed.request_key)
     status: Status = Status.WAITING
-    slot: int | None = None
+    slot: int | None = None  # request slot in the request->token table
     kv_len: int = 0  # positions whose target (and draft) K/V are in the pools
     output_ids: list[int] = field(default_factory=list)
+    reported: int = 0  # output_ids already returned by step()
     finish_reason: str | None = None
     accept_lens: list[int] = field(default_factory=list)  # tokens committed per round
     admitted_seq: int = -1  # admission order: the youngest running request is preempted first
     preemptions: int = 0
-    arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
     draft_time: float = 0.0
     verify_time: float = 0.0
-    generator: torch.Generator | None = None  # this request's sampling stream
 
+    @property
+    def params(self) -> SamplingParams:
+        return self.spec.params
 
     @property
     def index(self) -> int:
@@ -84,4 +116,28 @@ class Request:
 
     @property
     def remaining(self) -> int:
-        return self.spec.max_new_tokens - len(self.output_ids)
+        return self.params.max_tokens - len(self.output_ids)
+
+    def finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        self.finished_at = time.time()
+
+    def output(self) -> RequestOutput:
+        """What step() reports now; advances the reported mark."""
+        new = tuple(self.output_ids[self.reported:])
+        self.reported = len(self.output_ids)
+        return RequestOutput(
+            rid=self.spec.rid, index=self.index, new_token_ids=new,
+            output_ids=tuple(self.output_ids), finished=self.finish_reason is not None,
+            finish_reason=self.finish_reason, prompt_tokens=len(self.spec.prompt_ids),
+            accept_lens=tuple(self.accept_lens), arrival=self.arrival,
+            first_token_at=self.first_token_at, finished_at=self.finished_at,
+            preemptions=self.preemptions, draft_s=self.draft_time, verify_s=self.verify_time)
+
+
+def refused_output(spec: RequestSpec, arrival: float) -> RequestOutput:
+    return RequestOutput(
+        rid=spec.rid, index=spec.index, new_token_ids=(), output_ids=(), finished=True,
+        finish_reason="refused", prompt_tokens=len(spec.prompt_ids), accept_lens=(),
+        arrival=arrival, first_token_at=None, finished_at=arrival, preemptions=0,
+        error=spec.refused)

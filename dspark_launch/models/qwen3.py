@@ -67,6 +67,7 @@ class CausalLM(nn.Module):
         backend: AttentionBackend,
         kv,  # KVPool: .k[layer] / .v[layer] [rows, Hkv_local, hd]
         capture_layer_ids: Sequence[int] = (),
+        dp_counts: list[int] | None = None,  # every rank's token count, if already exchanged
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (final-normed hidden [T, d], captured [T, m*d] or None).
 
@@ -79,7 +80,7 @@ class CausalLM(nn.Module):
         bad = [i for i in ids if not -1 <= i < n_layers]
         assert not bad, f"capture_layer_ids {bad} outside [-1, {n_layers})"
         backend.prepare(meta)
-        dp = DPTokens.build(int(input_ids.shape[0]))
+        dp = DPTokens.build(int(input_ids.shape[0]), dp_counts)
         x = self.model.embed_tokens(input_ids)  # [T, d]
         cos, sin = self.model.rotary.cos_sin(meta.positions, x.dtype)  # [T, hd]
         saved: dict[int, torch.Tensor] = {-1: x} if -1 in ids else {}

@@ -3,8 +3,12 @@
 The block [anchor, mask x (B-1)] sits at positions kv_len .. kv_len+B-1 and is embedded with
 the target's embedding. Its rows in the draft pool are the rows the verify will use for the
 same positions (the scheduler reserved them), so no temporary slots are needed: after the
-verify, materialize() overwrites the accepted positions with context K/V and the engine
-truncates the rest.
+verify, materialize() overwrites those positions with context K/V and the engine truncates
+the rejected ones.
+
+Drafts stay on the device. Every request drafts its full block (capped by its limit), so the
+verify width is known on the host before any draft exists; DSpark's confidence cut is a
+device-side `keep` count that acceptance honours.
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ from __future__ import annotations
 import torch
 
 from dspark_launch.attention import build_metadata
+from dspark_launch.spec.dspark_sampler import walk_block
+from dspark_launch.spec.keyed import DRAFT, uniforms
 from dspark_launch.spec.proposer import Proposal, Proposer
-from dspark_launch.spec.sampling import GREEDY_EPS, probs_from_logits
+from dspark_launch.spec.sampling import SamplingRows, draw, target_probs
 
 
 class DFlashProposer(Proposer):
@@ -35,39 +41,33 @@ class DFlashProposer(Proposer):
         return self.block_size
 
     def _block_hidden(self, reqs: list) -> torch.Tensor:  # -> [R, B, d] final-normed
-        b = self.block_size
+        b, device = self.block_size, self.target.device
         meta = build_metadata(self.space.req_to_token, [r.slot for r in reqs],
                               [r.kv_len for r in reqs], [b] * len(reqs), "none",
-                              device=self.target.device)
+                              device=device)
         ids = torch.tensor([[r.anchor] + [self.mask_id] * (b - 1) for r in reqs],
-                           dtype=torch.int64, device=self.target.device).reshape(-1)
+                           dtype=torch.int64).reshape(-1).to(device)
         h = self.draft.forward_block(self.target.embed(ids), meta, self.backend, self.pool)
         return h.reshape(len(reqs), b, -1)
 
-    def propose(self, reqs: list, limits: list[int], temperature: list[float]) -> Proposal:
+    def propose(self, reqs: list, limits: list[int], rows: SamplingRows) -> Proposal:
         h = self._block_hidden(reqs)[:, 1:]  # [R, B-1, d]: slot j predicts position start+j
         r, k, d = h.shape
-        if all(t < GREEDY_EPS for t in temperature):
-            toks = self.target.greedy(h.reshape(r * k, d)).reshape(r, k)
-            return Proposal(toks.tolist(), [None] * r)
-        logits = self.target.logits(h.reshape(r * k, d)).float().reshape(r, k, -1).cpu()
-        tokens, qs = [], []
-        for i, (req, t) in enumerate(zip(reqs, temperature)):
-            q = probs_from_logits(logits[i], t)  # [k, V]
-            if t < GREEDY_EPS:
-                tokens.append(q.argmax(-1).tolist())
-            else:
-                tokens.append(torch.multinomial(q, 1, generator=req.generator)[:, 0].tolist())
-            qs.append(q)
-        return Proposal(tokens, qs)
+        flat = h.reshape(r * k, d)
+        if rows.all_greedy:  # argmax over the vocab shards; no distribution is formed
+            return Proposal(self.target.greedy(flat).reshape(r, k), list(limits))
+        slots = rows.repeat(k)  # row r*k + j: request r, its output position + j
+        q = target_probs(self.target.logits(flat), slots)  # [R*K, V]
+        tokens = draw(q, uniforms(slots.keys, slots.positions, DRAFT))
+        return Proposal(tokens.reshape(r, k), list(limits), q.reshape(r, k, -1))
 
     def materialize(self, features, positions, rows) -> None:
         self.draft.materialize(features, positions, rows, self.pool)
 
 
 class DSparkProposer(DFlashProposer):
-    """All B slots predict (slot k -> position start+k+1), sampled left to right through the
-    Markov head; the confidence head may shorten what is verified."""
+    """All B slots predict (slot k -> position start+k+1), drawn left to right through the
+    Markov head; the confidence head may cut what can be accepted."""
 
     name = "DSPARK"
 
@@ -79,24 +79,16 @@ class DSparkProposer(DFlashProposer):
     def max_drafts(self) -> int:
         return self.block_size
 
-    def propose(self, reqs: list, limits: list[int], temperature: list[float]) -> Proposal:
+    def propose(self, reqs: list, limits: list[int], rows: SamplingRows) -> Proposal:
         h = self._block_hidden(reqs)  # [R, B, d]
-        r, b, d = h.shape
-        base = self.target.logits(h.reshape(r * b, d)).float().reshape(r, b, -1)
-        anchors = torch.tensor([q.anchor for q in reqs], dtype=torch.int64, device=h.device)
-        tokens, q, conf = self.draft.sample_block(
-            base, h, anchors, torch.tensor(temperature), [q.generator for q in reqs])
-        lengths = [confident_length(c, self.threshold) for c in conf]
-        out_tokens = [t[:n].tolist() for t, n in zip(tokens, lengths)]
-        greedy = all(t < GREEDY_EPS for t in temperature)
-        out_q = [None if greedy else qq[:n].cpu() for qq, n in zip(q, lengths)]
-        self.last_lengths = lengths
-        return Proposal(out_tokens, out_q)
+        anchors = torch.tensor([q.anchor for q in reqs], dtype=torch.int64).to(h.device)
+        tokens, q, conf = walk_block(self.draft, self.target.lm_head, h, anchors, rows)
+        return Proposal(tokens, list(limits), q, confident_length(conf, self.threshold))
 
 
-def confident_length(conf: torch.Tensor, threshold: float) -> int:
-    """Drafts kept: up to the first slot whose confidence is below the threshold (0 keeps all)."""
+def confident_length(conf: torch.Tensor, threshold: float) -> torch.Tensor | None:
+    """conf [R, B] -> [R] drafts kept: up to the first slot whose confidence is below the
+    threshold (None at threshold 0: all kept). Stays on the device."""
     if threshold <= 0:
-        return int(conf.shape[0])
-    low = torch.nonzero(conf < threshold)
-    return int(low[0, 0]) if low.numel() else int(conf.shape[0])
+        return None
+    return (conf >= threshold).to(torch.int64).cumprod(dim=1).sum(dim=1)

@@ -7,6 +7,7 @@ accepted blocks even with random weights (greedy output of a tiny random model r
 from __future__ import annotations
 
 from dspark_launch.spec.proposer import Proposal, Proposer
+from dspark_launch.spec.sampling import SamplingRows
 
 
 def lookup(ids: list[int], max_n: int, k: int) -> list[int]:
@@ -43,6 +44,6 @@ class NgramProposer(Proposer):
     def max_drafts(self) -> int:
         return self.block_size - 1
 
-    def propose(self, reqs: list, limits: list[int], temperature: list[float]) -> Proposal:
+    def propose(self, reqs: list, limits: list[int], rows: SamplingRows) -> Proposal:
         tokens = [lookup(r.all_ids, self.max_n, k) for r, k in zip(reqs, limits)]
-        return Proposal(tokens, [None] * len(reqs))
+        return Proposal.from_lists(tokens, rows.keys.device)  # a point mass at each draft

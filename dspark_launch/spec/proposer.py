@@ -6,12 +6,27 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark_launch.spec.sampling import SamplingRows
+
 
 @dataclass
 class Proposal:
-    tokens: list[list[int]]  # per request, the drafts after its anchor (may be empty)
-    # per request [k, V]: the distribution each draft was drawn from (None: a fixed proposal)
-    q: list[torch.Tensor | None]
+    tokens: torch.Tensor  # [R, K] int64 on the device, padded past each request's drafts
+    widths: list[int]  # drafts to verify per request (host-known: sizes the verify forward)
+    # [R, K, V] fp32: the distribution each draft was drawn from; None: a point mass at the
+    # draft (NGRAM, and model drafts when every request is greedy).
+    q: torch.Tensor | None = None
+    # [R] int64 on the device: drafts that may be accepted (DSpark's confidence cut, decided
+    # on the device, so the host never waits for it); None: all `widths` drafts.
+    keep: torch.Tensor | None = None
+
+    @classmethod
+    def from_lists(cls, tokens: list[list[int]], device: torch.device | str) -> Proposal:
+        """Host-made drafts (NGRAM, test drafters): one host->device copy."""
+        k = max((len(t) for t in tokens), default=0)
+        padded = [t + [0] * (k - len(t)) for t in tokens]
+        return cls(torch.tensor(padded, dtype=torch.int64).reshape(len(tokens), k).to(device),
+                   [len(t) for t in tokens])
 
 
 class Proposer:
@@ -29,8 +44,10 @@ class Proposer:
         """KV positions past kv_len the draft block itself writes (the verify may write more)."""
         return 0
 
-    def propose(self, reqs: list, limits: list[int], temperature: list[float]) -> Proposal:
-        return Proposal([[] for _ in reqs], [None for _ in reqs])
+    def propose(self, reqs: list, limits: list[int], rows: SamplingRows) -> Proposal:
+        """reqs: decoding requests; limits: most drafts each may verify; rows: per request its
+        sampling parameters, key and the output position of its first draft."""
+        return Proposal.from_lists([[] for _ in reqs], rows.keys.device)
 
     def materialize(
         self,

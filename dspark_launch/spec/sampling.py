@@ -1,43 +1,104 @@
-"""Token distributions: temperature, top-k and top-p applied to fp32 logits."""
+"""Batched token distributions and draws with per-row parameters, on the logits' device.
+
+A logit row belongs to one request and predicts one output position. `SamplingRows` carries,
+per row, that request's temperature / top-k / top-p, its random key and the output position,
+built from host-side values with one host->device copy. Draws are inverse-CDF with one keyed
+uniform per draw (spec/keyed.py), so nothing here reads a device value back to the host.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-GREEDY_EPS = 1e-5  # temperatures below this are greedy (one-hot at the argmax)
+GREEDY_EPS = 1e-5  # temperatures below this are greedy (engine.params.GREEDY_BELOW)
 
 
-def probs_from_logits(
-    logits: torch.Tensor,  # [N, V]
-    temperature: float,
-    top_k: int = 0,
-    top_p: float = 1.0,
-) -> torch.Tensor:  # [N, V] fp32, rows sum to 1
+@dataclass
+class SamplingRows:
+    n: int
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    temperature: torch.Tensor | None  # [N] fp32, 1 on greedy rows
+    top_p: torch.Tensor | None  # [N] fp32
+    top_k: torch.Tensor | None  # [N] int64, 0 = off
+    greedy: torch.Tensor | None  # [N] bool
+    keys: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64 output position each row predicts
+
+    @classmethod
+    def build(cls, params: list, keys: list[int], positions: list[int],
+              device: torch.device | str) -> SamplingRows:
+        """params: per row an object with temperature, top_k, top_p (a SamplingParams)."""
+        n = len(params)
+        greedy = [p.temperature < GREEDY_EPS for p in params]
+        ints = torch.tensor([keys, positions, [p.top_k for p in params]],
+                            dtype=torch.int64).reshape(3, n).to(device)
+        if all(greedy):
+            return cls(n, True, False, False, None, None, None, None, ints[0], ints[1])
+        floats = torch.tensor([[1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                               [p.top_p for p in params], [float(g) for g in greedy]],
+                              dtype=torch.float32).reshape(3, n).to(device)
+        return cls(n, False, any(p.top_k > 0 for p in params),
+                   any(p.top_p < 1.0 for p in params), floats[0], floats[1], ints[2],
+                   floats[2] > 0.5, ints[0], ints[1])
+
+    def repeat(self, k: int) -> SamplingRows:
+        """Each row becomes k rows for consecutive positions (a draft block's slots)."""
+        def rep(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.repeat_interleave(k)
+
+        offsets = torch.arange(k, device=self.keys.device).repeat(self.n)
+        return SamplingRows(self.n * k, self.all_greedy, self.any_top_k, self.any_top_p,
+                            rep(self.temperature), rep(self.top_p), rep(self.top_k),
+                            rep(self.greedy), rep(self.keys), rep(self.positions) + offsets)
+
+
+def target_probs(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """logits [N, V] -> probabilities [N, V] fp32 (temperature, top-k, top-p per row; greedy
+    rows one-hot at the argmax, ties to the lowest id)."""
     logits = logits.float()
-    if temperature < GREEDY_EPS:
+    if rows.all_greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / temperature
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if top_p < 1.0:
+    assert rows.temperature is not None and rows.greedy is not None
+    x = logits / rows.temperature[:, None]
+    if rows.any_top_k:
+        k = rows.top_k.clamp(0, x.shape[-1])
+        sorted_x = torch.sort(x, dim=-1, descending=True).values
+        kth = sorted_x.gather(1, (k - 1).clamp_min(0)[:, None])  # [N, 1]
+        x = x.masked_fill((k[:, None] > 0) & (x < kth), float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if rows.any_top_p:
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= rows.top_p[:, None]
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
         probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    return torch.where(rows.greedy[:, None], one_hot, probs)
 
 
-def request_generator(seed: int, index: int) -> torch.Generator:
-    """One stream per request, so a request's samples do not depend on the topology or batch."""
-    gen = torch.Generator()
-    gen.manual_seed((seed * 1_000_003 + index) % (2**63))
-    return gen
+def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw: weights [N, V] >= 0 (need not sum to 1), u [N] in (0, 1) -> [N] int64.
+
+    A token of weight 0 is never drawn; a one-hot row always gives its hot token."""
+    cdf = weights.float().cumsum(-1)  # [N, V]
+    x = (u * cdf[:, -1]).unsqueeze(-1)  # [N, 1]
+    return torch.searchsorted(cdf, x).squeeze(-1).clamp_max(weights.shape[-1] - 1)
 
 
-def sample(probs: torch.Tensor, gen: torch.Generator) -> int:
-    """One draw from a [V] distribution (on the CPU, so every rank draws the same)."""
-    return int(torch.multinomial(probs.float().cpu(), 1, generator=gen).item())
+def probs_from_logits(logits: torch.Tensor, temperature: float, top_k: int = 0,
+                      top_p: float = 1.0) -> torch.Tensor:
+    """One parameter set for every row: logits [N, V] -> [N, V] (tests and tools)."""
+    n = logits.shape[0]
+    params = [_Params(temperature, top_k, top_p)] * n
+    return target_probs(logits, SamplingRows.build(params, [0] * n, [0] * n, logits.device))
+
+
+@dataclass(frozen=True)
+class _Params:
+    temperature: float
+    top_k: int
+    top_p: float

@@ -1,7 +1,7 @@
 """Sampling is lossless (issue 8): on a vocabulary of 16, the committed tokens of DFLASH and
 DSPARK at temperature 1 follow the target's exact distribution (chi-square, p > 1e-3, fixed
 seeds so deterministic); the same seed gives the same sampled output at tp1 and tp2; DSpark's
-confidence threshold truncates verify blocks and tau counts the truncated rounds."""
+confidence threshold cuts what a round may accept and tau counts the cut rounds."""
 
 from __future__ import annotations
 
@@ -105,13 +105,12 @@ def test_confidence_threshold_truncates_verify(tiny, tmp_path, threshold):
         drafts.setdefault(index, []).append(len(d))
     for rec in job.records:
         i = rec["index"]
-        # one confidence-truncated proposal per round, rounds counted in tau
+        # one confidence cut per round, rounds counted in tau
         assert len(kept[i]) == len(rec["accept_lens"]) == rec["rounds"]
         for n_kept, n_verified, acc in zip(kept[i], drafts[i], rec["accept_lens"]):
-            assert n_verified <= n_kept
-            assert 1 <= acc <= n_kept + 1
+            assert 1 <= acc <= min(n_kept, n_verified) + 1
             if n_kept == 0:
-                assert acc == 1  # an anchor-only verify commits exactly the bonus
+                assert acc == 1  # nothing acceptable: the round commits exactly the bonus
     all_kept = [n for v in kept.values() for n in v]
     if threshold == 0:
         assert set(all_kept) == {block}
@@ -120,9 +119,10 @@ def test_confidence_threshold_truncates_verify(tiny, tmp_path, threshold):
     else:
         assert set(all_kept) == {0}
         assert job.metrics["mean_tau"] == 1.0
-    # The verify widths the engine used are the truncated lengths (capped by room left).
+    # The drafts acceptance may take are the cut lengths (capped by room left); the cut is
+    # applied on the device, so the verify itself keeps its host-known width.
     widths = sorted(n for _, n, _ in job.probes[0]["verifies"])
-    assert widths == sorted(n for v in drafts.values() for n in v)
+    assert widths == sorted(min(k, d) for i in kept for k, d in zip(kept[i], drafts[i]))
     rounds = [n for r in job.records for n in r["accept_lens"]]
     assert job.metrics["rounds"] == len(all_kept) == len(rounds)
     assert job.metrics["mean_tau"] == pytest.approx(sum(rounds) / len(rounds))

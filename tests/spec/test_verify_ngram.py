@@ -1,5 +1,7 @@
-"""Unit tests: greedy_accept (prefix cumprod), rejection_accept (T->0 is greedy; lossless on a
-toy p/q by chi-square), confident_length, and NGRAM prompt lookup."""
+"""Unit tests: greedy_accept (prefix cumprod), batched rejection_accept (T->0 is greedy; lossless
+on a toy p/q by chi-square, thousands of requests in one batch), keyed uniforms, the batched
+per-row sampler (temperature / top-k / top-p against closed forms), confident_length, and NGRAM
+prompt lookup."""
 
 from __future__ import annotations
 
@@ -8,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dspark_launch.spec.block_drafter import confident_length
+from dspark_launch.spec.keyed import ACCEPT, DRAFT, SAMPLE, request_key, uniforms
 from dspark_launch.spec.ngram import lookup
-from dspark_launch.spec.sampling import probs_from_logits
+from dspark_launch.spec.sampling import draw, probs_from_logits
 from dspark_launch.spec.verify import greedy_accept, rejection_accept
 
 P_MIN = 1e-3  # chi-square tests pass when p > 1e-3 (fixed seeds: deterministic)
@@ -58,6 +61,12 @@ def test_greedy_accept_matches_loop(rows):
         assert acc[i] == n and bonus[i] == t[n]
 
 
+def _uniforms(n: int, k: int, purpose: int, seed: int = 0) -> torch.Tensor:  # [n, k]
+    keys = torch.tensor([request_key(seed, i, None) for i in range(n)]).repeat_interleave(k)
+    pos = torch.arange(k).repeat(n)
+    return uniforms(keys, pos, purpose).reshape(n, k)
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.integers(1, 5), st.integers(0, 2**31 - 1), st.sampled_from([0.0, 1e-6]))
 def test_rejection_at_zero_temperature_is_greedy(k, seed, temp):
@@ -66,16 +75,16 @@ def test_rejection_at_zero_temperature_is_greedy(k, seed, temp):
     p = probs_from_logits(logits, temp)
     target = logits.argmax(-1)
     # drafts: a greedy prefix then (maybe) a wrong token
-    drafts = target[:k].tolist()
+    drafts = target[:k].clone()
     cut = int(torch.randint(0, k + 1, (), generator=gen))
     if cut < k:
         drafts[cut] = (drafts[cut] + 1) % 11
-    q = probs_from_logits(torch.nn.functional.one_hot(torch.tensor(drafts), 11).float(), temp)
-    for q_arg in (q, None):
-        acc, nxt = rejection_accept(drafts, q_arg, p, torch.Generator().manual_seed(seed))
-        g_acc, g_bonus = greedy_accept(torch.tensor([drafts]), torch.tensor([k]),
-                                       target[None])
-        assert (acc, nxt) == (int(g_acc[0]), int(g_bonus[0]))
+    q = probs_from_logits(torch.nn.functional.one_hot(drafts, 11).float(), temp)
+    u_acc, u_s = _uniforms(1, k, ACCEPT, seed), _uniforms(1, k + 1, SAMPLE, seed)
+    g_acc, g_bonus = greedy_accept(drafts[None], torch.tensor([k]), target[None])
+    for q_arg in (q[None], None):
+        acc, nxt = rejection_accept(drafts[None], torch.tensor([k]), q_arg, p[None], u_acc, u_s)
+        assert (int(acc[0]), int(nxt[0])) == (int(g_acc[0]), int(g_bonus[0]))
 
 
 def _toy(seed: int, v: int = 6):
@@ -85,54 +94,92 @@ def _toy(seed: int, v: int = 6):
     return p, q
 
 
+def test_keyed_uniforms_are_uniform_and_keyed():
+    u = _uniforms(4000, 5, DRAFT)
+    assert float(u.min()) > 0 and float(u.max()) < 1
+    counts = torch.histc(u.flatten(), bins=20, min=0, max=1)
+    assert chi2_pvalue(counts, torch.full((20,), 1 / 20)) > P_MIN
+    # Same key, position and purpose: the same number, whatever else is in the batch.
+    keys = torch.tensor([request_key(0, i, None) for i in range(8)])
+    alone = uniforms(keys[3:4], torch.tensor([7]), SAMPLE)
+    batch = uniforms(keys, torch.full((8,), 7), SAMPLE)
+    assert alone[0] == batch[3]
+    assert uniforms(keys[3:4], torch.tensor([7]), ACCEPT)[0] != alone[0]
+    # A request's own seed keys it regardless of its index or the engine seed.
+    assert request_key(0, 3, 42) == request_key(9, 11, 42) != request_key(0, 3, 43)
+    assert request_key(0, 3, None) != request_key(0, 4, None)
+
+
 def test_rejection_sampling_is_lossless_on_toy_p_q():
-    """Drafts from q, verify against p (rows independent of the prefix): the first committed
-    token ~ p[0], the second (when the first draft survived) ~ p[1], the bonus after two ~ p[2]."""
+    """Drafts from q, verify against p (rows independent of the prefix), n requests in one
+    batch: the first committed token ~ p[0], the second (when the first draft survived)
+    ~ p[1]."""
     p, q = _toy(0)
-    gen = torch.Generator().manual_seed(1)
-    first, second = torch.zeros(6), torch.zeros(6)
     n = 6000
-    for _ in range(n):
-        d = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(2)]
-        acc, nxt = rejection_accept(d, q, p, gen)
-        committed = d[:acc] + [nxt]
-        first[committed[0]] += 1
-        if len(committed) > 1:
-            second[committed[1]] += 1
-    assert chi2_pvalue(first, p[0]) > P_MIN
-    assert chi2_pvalue(second, p[1]) > P_MIN
+    u_draft = _uniforms(n, 2, DRAFT)
+    drafts = torch.stack([draw(q[i].expand(n, -1), u_draft[:, i]) for i in range(2)], 1)
+    acc, nxt = rejection_accept(drafts, torch.full((n,), 2), q.expand(n, -1, -1),
+                                p.expand(n, -1, -1), _uniforms(n, 2, ACCEPT),
+                                _uniforms(n, 3, SAMPLE))
+    first = torch.where(acc > 0, drafts[:, 0], nxt)
+    second = torch.where(acc > 1, drafts[:, 1], nxt)[acc >= 1]
+    assert chi2_pvalue(torch.bincount(first, minlength=6), p[0]) > P_MIN
+    assert chi2_pvalue(torch.bincount(second, minlength=6), p[1]) > P_MIN
     # Power: the draft's own distribution is far from p (a lossy rule would be caught).
-    assert chi2_pvalue(q[0] * n, p[0]) < 1e-6
+    assert chi2_pvalue(torch.bincount(drafts[:, 0], minlength=6), p[0]) < 1e-6
 
 
 def test_rejection_with_fixed_proposal_is_lossless():
-    """q=None (a deterministic draft, e.g. NGRAM) still commits tokens distributed as p."""
+    """q=None (a point mass, e.g. NGRAM) still commits tokens distributed as p."""
     p, _ = _toy(2)
-    gen = torch.Generator().manual_seed(3)
-    counts = torch.zeros(6)
-    for _ in range(5000):
-        acc, nxt = rejection_accept([4], None, p[:2], gen)
-        counts[4 if acc else nxt] += 1
-    assert chi2_pvalue(counts, p[0]) > P_MIN
+    n = 5000
+    acc, nxt = rejection_accept(torch.full((n, 1), 4), torch.ones(n, dtype=torch.int64), None,
+                                p[:2].expand(n, -1, -1), _uniforms(n, 1, ACCEPT),
+                                _uniforms(n, 2, SAMPLE))
+    first = torch.where(acc > 0, torch.full_like(nxt, 4), nxt)
+    assert chi2_pvalue(torch.bincount(first, minlength=6), p[0]) > P_MIN
 
 
 def test_rejection_accepts_everything_when_q_equals_p():
     p, _ = _toy(4)
-    gen = torch.Generator().manual_seed(5)
-    for _ in range(200):
-        d = [int(torch.multinomial(p[i], 1, generator=gen)) for i in range(2)]
-        acc, _ = rejection_accept(d, p[:2], p, gen)
-        assert acc == 2
+    n = 200
+    u = _uniforms(n, 2, DRAFT)
+    drafts = torch.stack([draw(p[i].expand(n, -1), u[:, i]) for i in range(2)], 1)
+    acc, _ = rejection_accept(drafts, torch.full((n,), 2), p[:2].expand(n, -1, -1),
+                              p.expand(n, -1, -1), _uniforms(n, 2, ACCEPT),
+                              _uniforms(n, 3, SAMPLE))
+    assert (acc == 2).all()
+
+
+def test_draw_follows_top_k_top_p_closed_form():
+    """Batched per-row parameters: each row's draws follow its own closed-form distribution."""
+    from dspark_launch.engine.params import SamplingParams
+    from dspark_launch.spec.sampling import SamplingRows, target_probs
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    settings_ = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.5, top_k=3),
+                 SamplingParams(temperature=1.0, top_p=0.7), SamplingParams(temperature=0.0)]
+    n = 3000
+    params = [s for s in settings_ for _ in range(n)]
+    keys = [request_key(0, i, None) for i in range(len(params))]
+    rows = SamplingRows.build(params, keys, [0] * len(params), "cpu")
+    probs = target_probs(logits.expand(len(params), -1), rows)
+    toks = draw(probs, uniforms(rows.keys, rows.positions, SAMPLE)).reshape(4, n)
+    base = torch.softmax(logits[0].double(), -1)
+    top3 = torch.softmax(logits[0].double() / 0.5, -1) * torch.tensor([1, 1, 1, 0, 0, 0])
+    nucleus = base * torch.tensor([1, 1, 0, 0, 0, 0])  # 0.56 < 0.7 <= 0.56 + 0.21
+    for row, want in zip(toks[:3], (base, top3 / top3.sum(), nucleus / nucleus.sum())):
+        assert chi2_pvalue(torch.bincount(row, minlength=6), want) > P_MIN
+    assert (toks[3] == 0).all()  # greedy row in the same batch: the argmax
 
 
 def test_confident_length():
-    c = torch.tensor([0.9, 0.7, 0.4, 0.8])
-    assert confident_length(c, 0.0) == 4  # threshold 0: the full block
-    assert confident_length(c, 0.5) == 2  # between 0.4 and 0.7: first c below it
-    assert confident_length(c, 0.75) == 1
-    assert confident_length(c, 0.95) == 0  # truncated to 0: verify the anchor only
-    assert confident_length(c, 0.3) == 4
-    assert confident_length(torch.tensor([0.5, 0.5]), 0.5) == 2  # not below: kept
+    c = torch.tensor([[0.9, 0.7, 0.4, 0.8], [0.5, 0.5, 0.1, 0.1]])
+    assert confident_length(c, 0.0) is None  # threshold 0: the full block
+    assert confident_length(c, 0.5).tolist() == [2, 2]  # first c below it; 0.5 is kept
+    assert confident_length(c, 0.75).tolist() == [1, 0]
+    assert confident_length(c, 0.95).tolist() == [0, 0]  # nothing may be accepted
+    assert confident_length(c, 0.05).tolist() == [4, 4]
 
 
 def test_ngram_lookup():

@@ -31,12 +31,15 @@ class DPTokens:
         return sum(self.counts)
 
     @classmethod
-    def build(cls, num_tokens: int) -> DPTokens:
-        """Collective over the TP group when attn_dp_size > 1: every rank must call it."""
+    def build(cls, num_tokens: int, per_rank: list[int] | None = None) -> DPTokens:
+        """per_rank: every rank's token count when the caller already exchanged them (the
+        engine's step does); else a collective over the TP group when attn_dp_size > 1."""
         p = get_parallel()
         if p.attn_dp_size == 1:
             return cls((num_tokens,), 0, num_tokens, False)
-        per_rank = all_gather_ints([num_tokens], p.cpu_group)  # one entry per TP rank
+        if per_rank is None:
+            per_rank = [row[0] for row in all_gather_ints([num_tokens], p.cpu_group)]
+        per_rank = [[c] for c in per_rank]
         counts = tuple(per_rank[g * p.attn_tp_size][0] for g in range(p.attn_dp_size))
         assert counts[p.attn_dp_rank] == num_tokens
         mine = per_rank[p.attn_dp_rank * p.attn_tp_size: (p.attn_dp_rank + 1) * p.attn_tp_size]

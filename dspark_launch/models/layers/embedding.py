@@ -69,15 +69,24 @@ class ParallelLMHead(VocabParallelEmbedding):
         parts = all_gather(self.local_logits(hidden), self.group)
         return torch.cat(parts, dim=-1)[:, :self.vocab_size]
 
+    @property
+    def owned_ids(self) -> slice:
+        """The ids this rank's shard holds (its columns of local_logits, padding excluded)."""
+        return slice(self.start, self.start + self.owned)
+
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, d] -> [N] int64
-        """Distributed argmax: each rank reduces its own shard, then (value, id) pairs meet.
+        return self.argmax(self.local_logits(hidden))
+
+    def argmax(self, local: torch.Tensor) -> torch.Tensor:  # [N, shard or owned] -> [N] int64
+        """Distributed argmax of this rank's logit columns: each rank reduces its own shard,
+        then (value, id) pairs meet; the full vocabulary is never gathered.
 
         Ties go to the lowest id: torch.max picks the first maximum within a shard, and
         shards are ordered by id, so the first rank holding the global max wins.
         """
         if self.shards == 1:  # one shard holds the whole vocabulary: a plain argmax
-            return self.local_logits(hidden).argmax(dim=-1)
-        local = self.local_logits(hidden)[:, :self.owned].float()  # [N, owned]
+            return local.argmax(dim=-1)
+        local = local[:, :self.owned].float()  # [N, owned]
         n = local.shape[0]
         if self.owned:
             value, index = local.max(dim=-1)  # [N], [N]

@@ -1,0 +1,153 @@
+"""EngineArgs -> a running Engine on every rank: models, memory plan, pools, proposer, tokenizer.
+
+Called on every rank after init_parallel_runtime. The CLI (args.py) and the Python API map
+their own inputs to EngineArgs; the engine never sees argparse.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from dspark_launch.attention import make_backend
+from dspark_launch.comm import agreed
+from dspark_launch.engine.engine import Engine, EngineLimits
+from dspark_launch.errors import ConfigError
+from dspark_launch.log import logger
+from dspark_launch.memory.budget import configure_memory, measure_free_bytes
+from dspark_launch.memory.build import build_kv_memory
+from dspark_launch.memory.geometry import KVGeometry
+from dspark_launch.models.loader import load_model
+from dspark_launch.parallel import get_parallel
+from dspark_launch.spec.factory import draft_kind_of, make_proposer
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets" / "tiny"
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Everything the engine needs, with the CLI flag names (see args.py for their help)."""
+
+    model: str | None = None  # None: the embedded tiny model (and its draft)
+    draft: str | None = None
+    speculative_algorithm: str | None = None  # None: from the draft's format (NONE without)
+    block_size: int | None = None
+    dspark_confidence_threshold: float = 0.0
+    ngram_max: int = 3
+    dtype: str = "auto"
+    device: str = "auto"  # informational: the device is chosen by init_parallel_runtime
+    attention_backend: str = "auto"
+    kv_cache_memory: int | None = None
+    mem_fraction_static: float = 0.85
+    max_total_tokens: int | None = None
+    page_size: int = 1
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 512
+    context_length: int | None = None
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    model: str
+    draft: str | None
+    algorithm: str
+
+
+def resolve_checkpoints(args: EngineArgs) -> Checkpoints:
+    """Which target, draft and algorithm this run uses (the embedded model when no model)."""
+    if args.model is None:
+        algorithm = args.speculative_algorithm or "DSPARK"
+        model = ASSETS / "target"
+        if not (model / "config.json").is_file():
+            raise ConfigError(f"no --model given and the embedded model is missing at {model}")
+        draft = None
+        if algorithm in ("DFLASH", "DSPARK"):
+            draft = ASSETS / algorithm.lower()
+            if not (draft / "config.json").is_file():
+                raise ConfigError(f"the embedded {algorithm} draft is missing at {draft}")
+        return Checkpoints(str(model), None if draft is None else str(draft), algorithm)
+    algorithm = args.speculative_algorithm
+    if algorithm is None:
+        algorithm = draft_kind_of(args.draft) if args.draft else "NONE"
+    if algorithm in ("DFLASH", "DSPARK") and draft_kind_of(args.draft) != algorithm:
+        raise ConfigError(
+            f"--speculative-algorithm {algorithm} but --draft={args.draft} is a "
+            f"{draft_kind_of(args.draft)} checkpoint")
+    return Checkpoints(args.model, args.draft, algorithm)
+
+
+def target_geometry(model) -> KVGeometry:
+    c = model.config
+    return KVGeometry("target", c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+                      c.head_dim, model.dtype)
+
+
+def load_tokenizer(model_dir: str):
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
+
+
+def generation_defaults(model_dir: str) -> dict:
+    """Sampling defaults from the checkpoint's generation_config.json (SamplingParams names)."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    out = {k: cfg[k] for k in ("temperature", "top_p", "top_k") if k in cfg}
+    if cfg.get("do_sample") is False:
+        out["temperature"] = 0.0
+    return out
+
+
+def _load(args: EngineArgs, dtype: str, device):
+    ckpt = resolve_checkpoints(args)
+    target = load_model(ckpt.model, dtype, device)
+    return ckpt, target, make_proposer(args, ckpt.algorithm, ckpt.draft, target, device, dtype)
+
+
+def build_engine(args: EngineArgs) -> Engine:
+    """Every rank, after the parallel state exists. Raises ConfigError on every rank alike."""
+    state = get_parallel()
+    device = state.device
+    free_before = measure_free_bytes(device) if device.type == "cuda" else None
+    # On CPU "auto" computes in fp32: bf16 matmuls there are slow and flip near-ties between
+    # a batched verify and one-token decoding. On CUDA "auto" keeps the checkpoint's dtype.
+    dtype = "float32" if args.dtype == "auto" and device.type == "cpu" else args.dtype
+    # Checkpoints are read per rank (each its own shards): agree before the next collective.
+    ckpt, target, parts = agreed(lambda: _load(args, dtype, device))
+    plan = configure_memory(args, target_geometry(target), parts.geometry, device, free_before)
+    round_rows = max(1 + parts.max_drafts, parts.block_rows)
+    model_limit = args.context_length or target.config.max_position_embeddings
+    context_limit = min(model_limit, plan.max_total_tokens - round_rows + 1)
+    if context_limit < 2:
+        raise ConfigError(
+            f"the KV pool holds {plan.max_total_tokens} tokens per rank, too few for one "
+            f"round of {round_rows} rows; raise --kv-cache-memory or --max-total-tokens")
+    memory = build_kv_memory(plan, target_geometry(target), parts.geometry,
+                             args.max_running_requests, context_limit + round_rows, device)
+    backend = make_backend(args.attention_backend, device)
+    proposer = parts.build(memory, backend)
+    if state.rank == 0:
+        logger.info(
+            "target %s (%s), algorithm %s%s, KV: %d tokens/rank (cells target %d + draft %d "
+            "bytes), context limit %d, attention %s",
+            ckpt.model, str(target.dtype).replace("torch.", ""), ckpt.algorithm,
+            f" draft {ckpt.draft}" if ckpt.draft else "", plan.max_total_tokens,
+            plan.target_cell, plan.draft_cell, context_limit, backend.name)
+    limits = EngineLimits(
+        max_running=args.max_running_requests, chunk_size=args.chunked_prefill_size,
+        context_limit=context_limit, eos_ids=tuple(target.config.eos_token_ids), seed=args.seed)
+    engine = Engine(target, proposer, memory, backend, limits, load_tokenizer(ckpt.model))
+    engine.checkpoints = ckpt
+    engine.plan = plan
+    engine.generation_defaults = generation_defaults(ckpt.model)
+    return engine
