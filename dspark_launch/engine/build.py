@@ -18,6 +18,7 @@ from dspark_launch.log import logger
 from dspark_launch.memory.budget import configure_memory, measure_free_bytes
 from dspark_launch.memory.build import build_kv_memory
 from dspark_launch.memory.geometry import KVGeometry
+from dspark_launch.memory.radix_cache import RadixCache
 from dspark_launch.models.loader import load_model
 from dspark_launch.parallel import get_parallel
 from dspark_launch.spec.factory import draft_kind_of, make_proposer
@@ -42,6 +43,7 @@ class EngineArgs:
     mem_fraction_static: float = 0.85
     max_total_tokens: int | None = None
     page_size: int = 1
+    disable_prefix_cache: bool = False
     max_running_requests: int = 64
     chunked_prefill_size: int = 512
     context_length: int | None = None
@@ -134,6 +136,9 @@ def build_engine(args: EngineArgs) -> Engine:
             f"round of {round_rows} rows; raise --kv-cache-memory or --max-total-tokens")
     memory = build_kv_memory(plan, target_geometry(target), parts.geometry,
                              args.max_running_requests, context_limit + round_rows, device)
+    if not args.disable_prefix_cache:
+        # Inside the priced pools: the cache holds pages of the same allocator.
+        memory.space.attach_cache(RadixCache(memory.space.allocator))
     backend = make_backend(args.attention_backend, device)
     proposer = parts.build(memory, backend)
     if state.rank == 0:
