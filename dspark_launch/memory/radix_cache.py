@@ -51,6 +51,7 @@ class RadixCache:
         self.root.lock_ref = 1  # the root holds no pages and is never evicted
         self.evictable_pages = 0  # pages of unlocked nodes
         self.locked_pages = 0  # pages of nodes some running request uses
+        self.evicted_pages = 0  # pages given back to make room, since the start
 
     @property
     def num_pages(self) -> int:
@@ -173,6 +174,7 @@ class RadixCache:
             self.allocator.free(leaf.pages)
             freed += len(leaf.pages)
             self.evictable_pages -= len(leaf.pages)
+            self.evicted_pages += len(leaf.pages)
             parent = leaf.parent
             assert parent is not None
             del parent.children[leaf.key[:self.page_size]]
