@@ -1,107 +1,121 @@
-"""Serving benchmark: decode throughput and tau per algorithm, side by side in one run.
+"""Decode-throughput benchmark: algorithms side by side in one run, through the engine API.
 
     python scripts/bench_serving.py [--model DIR --dflash DIR --dspark DIR] [--prompts FILE]
-        [--batches 1 16] [--max-new-tokens 64] [--algorithms NONE NGRAM DFLASH DSPARK]
-        [--hf] [--out bench_serving.json] [--plot bench_serving.png]
+        [--num-prompts 128] [--batches 16] [--temperatures 0 1] [--repeats 3]
+        [--algorithms NONE NGRAM DFLASH DSPARK] [--max-new-tokens 64]
+        [--out docs/bench/bench_serving.json] [--plot docs/bench/bench_serving.png]
 
-Every configuration runs through the real entry point (`dspark_launch.__main__.main`, a world of
-one, tp1) on the same prompts, and the engine's own summary gives output tokens/s (decode
-wall time, loading excluded) and mean tau. `--hf` adds HF transformers `generate()` (greedy,
-same checkpoint, same prompts) as an outside baseline. Ratios are computed against NONE at the
-same batch size, measured in this same process, so machine load shifts both sides alike.
-Defaults: the embedded tiny model and its drafts, the built-in held-out prompts.
+A world of one (tp1, CPU by default, --threads 1). For each algorithm and batch size one engine
+is built; for each temperature and repeat the prompts run in waves of `batch` requests (all of
+a wave added at once, the next wave after it drains), so prefill steps and decode steps are
+apart: decode tok/s counts only the tokens and wall time of steps that prefilled nothing
+(engine.last_step). Each number is the median of the repeats. Greedy outputs of every
+algorithm are checked against NONE's (lossless). Fewer than --num-prompts prompts in the file
+are stretched by cutting each at earlier line ends (distinct, shorter prompts).
+Defaults: the embedded tiny model, its drafts, the built-in held-out prompts.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import tempfile
+import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from dspark_launch.__main__ import main as engine_main
+from dspark_launch.engine.build import ASSETS, EngineArgs, build_engine
 from dspark_launch.engine.inputs import BUILTIN_PROMPTS
-from dspark_launch.engine.runner import ASSETS
+from dspark_launch.engine.params import SamplingParams
+from dspark_launch.engine.request import RequestSpec
 
 
-def run_engine(args, algorithm: str, batch: int, prompts: Path, workdir: Path) -> dict:
-    metrics = workdir / f"{algorithm}-{batch}.json"
-    out = workdir / f"{algorithm}-{batch}.jsonl"
-    argv = ["--model", args.model, "--speculative-algorithm", algorithm,
-            "--prompts", str(prompts), "--max-new-tokens", str(args.max_new_tokens),
-            "--max-running-requests", str(batch), "--metrics-json", str(metrics),
-            "--output", str(out), "--overwrite", "--kv-cache-memory", args.kv_cache_memory,
-            "--attention-backend", args.attention_backend, "--log-level", "WARNING"]
-    if algorithm in ("DFLASH", "DSPARK"):
-        argv += ["--draft", args.dflash if algorithm == "DFLASH" else args.dspark]
-    if args.block_size:
-        argv += ["--block-size", str(args.block_size)]
-    rc = engine_main(argv)
-    if rc != 0:
-        raise SystemExit(f"{algorithm} batch {batch} failed with exit code {rc}")
-    summary = json.loads(metrics.read_text())
-    outputs = [json.loads(line)["output_ids"] for line in out.read_text().splitlines()]
-    return {"tok_s": summary["output_tokens_per_s"], "tau": summary["mean_tau"],
-            "output_tokens": summary["output_tokens"], "wall_s": summary["wall_s"],
-            "outputs": outputs}
+def load_prompts(path: str, n: int) -> list[str]:
+    base = [json.loads(line)["prompt"] for line in Path(path).read_text().splitlines() if line]
+    out = list(base)
+    cut = 1
+    while len(out) < n and cut < 64:
+        for text in base:
+            lines = text.splitlines(keepends=True)
+            if len(lines) > cut:
+                out.append("".join(lines[:-cut]))
+        cut += 1
+    return out[:n]
 
 
-def run_hf(args, batch: int, prompts: list[str]) -> dict:
-    from tokenizers import Tokenizer
-    from transformers import AutoModelForCausalLM
-
-    tok = Tokenizer.from_file(str(Path(args.model) / "tokenizer.json"))
-    # fp32 like the engine's CPU default, so both sides do the same arithmetic.
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    eos = model.generation_config.eos_token_id
-    pad = eos if isinstance(eos, int) else (eos[0] if eos else 0)
-    ids = [tok.encode(p).ids for p in prompts]
-    produced = 0
+def run_waves(engine, prompts: list[list[int]], batch: int, params: SamplingParams,
+              first_index: int) -> dict:
+    decode_s = prefill_s = 0.0
+    decode_tokens = total_tokens = 0
+    outputs: dict[int, tuple[int, ...]] = {}
+    rounds: list[int] = []
     start = time.perf_counter()
-    with torch.no_grad():
-        for i in range(0, len(ids), batch):
-            group = ids[i:i + batch]
-            width = max(map(len, group))
-            # Left padding, so every row's last prompt token is at the same column.
-            input_ids = torch.tensor([[pad] * (width - len(g)) + g for g in group])
-            mask = torch.tensor([[0] * (width - len(g)) + [1] * len(g) for g in group])
-            out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False,
-                                 max_new_tokens=args.max_new_tokens, pad_token_id=pad)
-            for row in out[:, width:].tolist():
-                stop = [j for j, t in enumerate(row) if eos is not None and t in
-                        ([eos] if isinstance(eos, int) else eos)]
-                produced += (stop[0] + 1) if stop else len(row)
+    for w in range(0, len(prompts), batch):
+        for i, ids in enumerate(prompts[w:w + batch]):
+            idx = first_index + w + i
+            engine.add_request(RequestSpec(idx, str(idx), tuple(ids), params))
+        engine.step()  # carries the wave in (no forward)
+        while engine.has_work:
+            t0 = time.perf_counter()
+            outs = engine.step()
+            dt = time.perf_counter() - t0
+            new = sum(len(o.new_token_ids) for o in outs)
+            total_tokens += new
+            if engine.last_step.prefill_tokens:
+                prefill_s += dt
+            else:
+                decode_s += dt
+                decode_tokens += new
+            for o in outs:
+                if o.finished:
+                    outputs[o.index - first_index] = o.output_ids
+                    rounds += o.accept_lens
     wall = time.perf_counter() - start
-    return {"tok_s": produced / wall, "output_tokens": produced, "wall_s": wall}
+    return {"decode_tok_s": decode_tokens / decode_s if decode_s else None,
+            "decode_s": decode_s, "prefill_s": prefill_s, "decode_tokens": decode_tokens,
+            "output_tokens": total_tokens, "tok_s": total_tokens / wall, "wall_s": wall,
+            "tau": sum(rounds) / len(rounds) if rounds else None,
+            "outputs": [outputs[i] for i in range(len(prompts))]}
+
+
+def median_of(runs: list[dict]) -> dict:
+    keys = ("decode_tok_s", "decode_s", "prefill_s", "tok_s", "wall_s", "tau")
+    out = {k: statistics.median(r[k] for r in runs) if runs[0][k] is not None else None
+           for k in keys}
+    out["runs"] = [{k: r[k] for k in keys} for r in runs]
+    out["outputs"] = runs[0]["outputs"]
+    return out
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    batches = sorted({int(b) for b in results})
-    names = sorted({name for b in results.values() for name in b},
-                   key=lambda n: ["HF", "NONE", "NGRAM", "DFLASH", "DSPARK"].index(n))
-    fig, ax = plt.subplots(figsize=(7, 4))
+    groups = list(results)  # "batch 16, T=0"
+    names = sorted({a for g in results.values() for a in g},
+                   key=lambda n: ["NONE", "NGRAM", "DFLASH", "DSPARK"].index(n))
+    fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
-        xs = [j + i * width for j in range(len(batches))]
-        ys = [results[str(b)].get(name, {}).get("tok_s") or 0 for b in batches]
+        xs = [j + i * width for j in range(len(groups))]
+        ys = [results[g].get(name, {}).get("decode_tok_s") or 0 for g in groups]
         bars = ax.bar(xs, ys, width, label=name)
-        for bar, b in zip(bars, batches):
-            ratio = results[str(b)].get(name, {}).get("speedup_vs_none")
+        for bar, g in zip(bars, groups):
+            ratio = results[g].get(name, {}).get("speedup_vs_none")
             if ratio:
-                ax.annotate(f"{ratio:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                            ha="center", va="bottom", fontsize=8)
-    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(batches))])
-    ax.set_xticklabels([f"batch {b}" for b in batches])
-    ax.set_ylabel("output tokens / s (CPU, tp1)")
-    ax.set_title("decode throughput; labels: speedup over NONE at the same batch")
+                ax.annotate(f"{ratio:.2f}x", (bar.get_x() + bar.get_width() / 2,
+                                              bar.get_height()), ha="center", va="bottom",
+                            fontsize=7)
+    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(groups))])
+    ax.set_xticklabels(groups)
+    ax.set_ylabel("decode tokens / s (median)")
+    ax.set_title("decode throughput (prefill excluded); labels: speedup over NONE")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -113,63 +127,85 @@ def main() -> None:
     ap.add_argument("--dflash", default=str(ASSETS / "dflash"))
     ap.add_argument("--dspark", default=str(ASSETS / "dspark"))
     ap.add_argument("--prompts", default=str(BUILTIN_PROMPTS))
-    ap.add_argument("--num-prompts", type=int, default=16)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--num-prompts", type=int, default=128)
+    ap.add_argument("--batches", type=int, nargs="+", default=[16])
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--algorithms", nargs="+", default=["NONE", "NGRAM", "DFLASH", "DSPARK"])
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--kv-cache-memory", default="256MiB")
     ap.add_argument("--attention-backend", default="auto")
-    ap.add_argument("--hf", action="store_true", help="add HF transformers generate() baseline")
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--threads", type=int, default=1,
-                    help="intra-op threads for every configuration (default 1: on a small or "
-                    "shared CPU more threads mostly spin against each other)")
-    ap.add_argument("--out", default="bench_serving.json")
-    ap.add_argument("--plot", default=None, help="PNG path (needs matplotlib)")
+                    help="intra-op threads (default 1: on a small or shared CPU more threads "
+                    "mostly spin against each other)")
+    ap.add_argument("--out", default="docs/bench/bench_serving.json")
+    ap.add_argument("--plot", default="docs/bench/bench_serving.png")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line]
-    rows = rows[:args.num_prompts]
+    from dspark_launch.args import parse_bytes, resolve_config
+    from dspark_launch.parallel import destroy_parallel_runtime, init_parallel_runtime
+
+    init_parallel_runtime(resolve_config(["--device", args.device], world_size=1))
+    texts = load_prompts(args.prompts, args.num_prompts)
     results: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        workdir = Path(tmp)
-        prompts = workdir / "prompts.jsonl"
-        prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        for batch in args.batches:
-            results[str(batch)] = {}
-            for algorithm in args.algorithms:
-                r = run_engine(args, algorithm, batch, prompts, workdir)
-                results[str(batch)][algorithm] = r
-                print(f"batch {batch:3d} {algorithm:7s} {r['tok_s']:8.1f} tok/s  "
-                      f"tau {r['tau'] or 0:.2f}", flush=True)
-            if args.hf:
-                r = run_hf(args, batch, [r["prompt"] for r in rows])
-                results[str(batch)]["HF"] = r
-                print(f"batch {batch:3d} HF      {r['tok_s']:8.1f} tok/s", flush=True)
-    for by_alg in results.values():
+    index = 0
+    try:
+        for algorithm in args.algorithms:
+            for batch in args.batches:
+                draft = {"DFLASH": args.dflash, "DSPARK": args.dspark}.get(algorithm)
+                engine = build_engine(EngineArgs(
+                    model=args.model, draft=draft, speculative_algorithm=algorithm,
+                    block_size=args.block_size, attention_backend=args.attention_backend,
+                    kv_cache_memory=parse_bytes(args.kv_cache_memory),
+                    max_running_requests=batch))
+                prompts = [engine.tokenizer.encode(t).ids for t in texts]
+                for temp in args.temperatures:
+                    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=temp)
+                    runs = []
+                    for _ in range(args.repeats):
+                        runs.append(run_waves(engine, prompts, batch, params, index))
+                        index += len(prompts)
+                    r = median_of(runs)
+                    results.setdefault(f"batch {batch}, T={temp:g}", {})[algorithm] = r
+                    print(f"batch {batch:3d} T={temp:g} {algorithm:7s} decode "
+                          f"{r['decode_tok_s'] or 0:8.1f} tok/s  all {r['tok_s']:8.1f} tok/s  "
+                          f"tau {r['tau'] or 0:.2f}", flush=True)
+                engine.shutdown()
+    finally:
+        destroy_parallel_runtime()
+    for group, by_alg in results.items():
         base = by_alg.get("NONE")
         for r in by_alg.values():
-            if base and r.get("tok_s"):
-                r["speedup_vs_none"] = r["tok_s"] / base["tok_s"]
-            if base and "outputs" in r:
+            if base and r.get("decode_tok_s") and base.get("decode_tok_s"):
+                r["speedup_vs_none"] = r["decode_tok_s"] / base["decode_tok_s"]
+            if base and group.endswith("T=0"):
                 r["lossless_vs_none"] = r["outputs"] == base["outputs"]
         for r in by_alg.values():
             r.pop("outputs", None)
-    print("\nbatch  algorithm   tok/s    tau   speedup-vs-NONE  lossless")
-    for batch, by_alg in results.items():
+    # NONE at T=1 against NONE at T=0, per batch (issue 14: the sampler's overhead).
+    for batch in args.batches:
+        t0 = results.get(f"batch {batch}, T=0", {}).get("NONE")
+        t1 = results.get(f"batch {batch}, T=1", {}).get("NONE")
+        if t0 and t1 and t0["decode_tok_s"] and t1["decode_tok_s"]:
+            t1["t1_over_t0"] = t1["decode_tok_s"] / t0["decode_tok_s"]
+            print(f"batch {batch}: NONE decode at T=1 / T=0 = {t1['t1_over_t0']:.2f}")
+    print("\ngroup            algorithm  decode tok/s   tau   vs NONE  lossless")
+    for group, by_alg in results.items():
         for name, r in by_alg.items():
             tau = f"{r['tau']:.2f}" if r.get("tau") else "  - "
-            lossless = r.get("lossless_vs_none", "-")
-            print(f"{batch:>5}  {name:9s} {r['tok_s']:7.1f}  {tau:>5}   "
-                  f"{r.get('speedup_vs_none', 0):6.2f}x          {lossless}")
+            print(f"{group:16s} {name:9s} {r['decode_tok_s'] or 0:10.1f}  {tau:>5}  "
+                  f"{r.get('speedup_vs_none', 0):6.2f}x  {r.get('lossless_vs_none', '-')}")
     meta = {"torch_threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
-            "num_prompts": len(rows), "model": args.model}
+            "num_prompts": len(texts), "repeats": args.repeats, "model": args.model,
+            "statistic": "median of repeats; decode = steps that prefilled nothing"}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     print(f"wrote {args.out}")
     if args.plot:
         plot(results, Path(args.plot))
-        print(f"wrote {args.plot}")
 
 
 if __name__ == "__main__":

@@ -333,14 +333,12 @@ def make_drafter(base, full: dict[int, list[int]], mode: str, k: int = 5, vocab:
 
             proposal = base.propose(self, reqs, limits, rows)
             raw = proposal.tokens.tolist()  # test-only host reads
-            keep = proposal.keep.tolist() if proposal.keep is not None else None
             tokens = []
             for i, (req, lim) in enumerate(zip(reqs, limits)):
                 mine = raw[i][:proposal.widths[i]]
                 if hasattr(self, "block_size"):
                     TestDrafter.log["raw"].append((req.index, req.kv_len, list(raw[i])))
-                    TestDrafter.log["kept"].append(
-                        (req.index, len(raw[i]) if keep is None else keep[i]))
+                    TestDrafter.log["kept"].append((req.index, proposal.widths[i]))
                 seq, pos = full.get(req.index), len(req.all_ids)
                 if seq is not None:
                     assert seq[:pos] == req.all_ids, "the engine committed a non-greedy token"
@@ -398,9 +396,9 @@ def _drive_rank(rank: int, tp: int, dp: int, engine_args, arrivals: list[Arrival
     (or, with `alone`, each add on its own, run to completion before the next), step until
     idle. Returns every step's outputs, the device->host copies per step, the pool state."""
     from dspark_launch.args import RunConfig
-    from dspark_launch.engine import transfer
     from dspark_launch.engine.build import build_engine
     from dspark_launch.parallel import init_parallel_runtime
+    from dspark_launch.spec import transfer
 
     init_parallel_runtime(RunConfig(tp_size=tp, attn_dp_size=dp, device="cpu"))
     engine = build_engine(engine_args)
@@ -469,3 +467,38 @@ def engine_args(a: Assets, algorithm: str, draft: Path | None = None, model: Pat
     return EngineArgs(model=str(model or a.target), speculative_algorithm=algorithm,
                       draft=None if draft is None else str(draft),
                       kv_cache_memory=64 * 2**20, max_total_tokens=4096, **kw)
+
+
+def _idle_signal_rank(rank: int, engine_args) -> dict:
+    """Idle engine on every rank; rank 1 (or 0 alone) gets SIGTERM while rank 0 is parked on
+    its inbox. Every rank must leave step() with Interrupted(SIGTERM)."""
+    import os
+    import signal
+    import threading
+
+    from dspark_launch.args import RunConfig
+    from dspark_launch.engine.build import build_engine
+    from dspark_launch.failure import Interrupted, install_signal_handlers
+    from dspark_launch.parallel import get_parallel, init_parallel_runtime
+
+    install_signal_handlers()
+    init_parallel_runtime(RunConfig(tp_size=get_world(), attn_dp_size=1, device="cpu"))
+    engine = build_engine(engine_args)
+    if rank == get_parallel().world_size - 1:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    idle_steps = 0
+    try:
+        while idle_steps < 100:
+            assert engine.step() == []
+            idle_steps += 1
+    except Interrupted as err:
+        return {"exit_code": err.exit_code, "idle_steps": idle_steps}
+    finally:
+        engine.shutdown()
+    return {"exit_code": None, "idle_steps": idle_steps}
+
+
+def get_world() -> int:
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))

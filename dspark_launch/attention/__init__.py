@@ -1,7 +1,7 @@
 """Attention backends (torch SDPA / Triton kernels) and per-forward metadata."""
 
 from .backend import BACKEND_NAMES, AttentionBackend, make_backend
-from .metadata import MASK_MODES, ForwardMetadata, build_metadata
+from .metadata import MASK_MODES, ForwardMetadata, build_metadata, upload
 
 __all__ = [
     "BACKEND_NAMES",
@@ -10,4 +10,5 @@ __all__ = [
     "ForwardMetadata",
     "build_metadata",
     "make_backend",
+    "upload",
 ]

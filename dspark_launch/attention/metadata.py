@@ -42,9 +42,20 @@ class ForwardMetadata:
         )
 
 
+def upload(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Host values -> a tensor on `device` without making the host wait: on CUDA through
+    pinned memory and a non-blocking copy (a pageable copy synchronises the stream, which
+    would stall the step once per call); elsewhere a plain tensor."""
+    device = torch.device(device)
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _indptr(lens: list[int], device: torch.device) -> torch.Tensor:
     # Prefix sums in Python: one small tensor instead of zeros + cumsum + copy.
-    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64, device=device)
+    return upload([0, *itertools.accumulate(lens)], torch.int64, device)
 
 
 def build_metadata(
@@ -68,30 +79,23 @@ def build_metadata(
     max_ctx = req_to_token.shape[1] if req_to_token.dim() == 2 else 0
     assert all(k <= max_ctx for k in kv_lens), "kv_len exceeds req_to_token width"
 
-    if len(slots) == 1:
-        # One request (batch-1 decode, a lone prefill): plain slices of its table row.
-        kv_indices = req_to_token[slots[0], :kv_lens[0]].to(torch.int64, copy=True)
-        out_rows = kv_indices[prefix_lens[0]:]
-        positions = torch.arange(prefix_lens[0], kv_lens[0], dtype=torch.int64)
-    elif slots:
-        # One gather on the table's device: a [B, max_kv] window then a validity mask,
-        # which avoids a Python loop of small slices on GPU.
-        table = req_to_token.to(torch.int64)
-        slot_t = torch.tensor(slots, dtype=torch.int64, device=table.device)
-        max_kv = max(kv_lens)
-        window = table[slot_t, :max_kv]  # [B, max_kv]
-        col = torch.arange(max_kv, device=table.device)
-        kv_len_t = torch.tensor(kv_lens, device=table.device)
-        kv_indices = window[col[None, :] < kv_len_t[:, None]]
-        pre_t = torch.tensor(prefix_lens, device=table.device)
-        if all(q == 1 for q in q_lens):  # decode: the new token sits at position prefix_len
-            out_rows = window.gather(1, pre_t[:, None]).squeeze(1)
-            positions = pre_t
-        else:
-            new_sel = (col[None, :] >= pre_t[:, None]) & (col[None, :] < kv_len_t[:, None])
-            out_rows = window[new_sel]
-            positions = torch.tensor([i for p, k in zip(prefix_lens, kv_lens)
-                                      for i in range(p, k)], dtype=torch.int64)
+    if slots:
+        # Everything comes from host-side lengths: one host->device copy of the lengths, then
+        # gathers sized by host-known totals (no boolean masks, no device reads).
+        b, total_q, total_kv = len(slots), sum(q_lens), sum(kv_lens)
+        lens = upload([slots, prefix_lens, q_lens, kv_lens], torch.int64, req_to_token.device)
+        slot_t, pre_t, q_t, kv_t = lens.unbind(0)  # [B] each
+        req = torch.arange(b, device=slot_t.device)
+        # kv entry -> (its request, its position): positions 0..kv_len-1 of each request.
+        kv_req = torch.repeat_interleave(req, kv_t, output_size=total_kv)  # [sum kv]
+        kv_start = torch.cumsum(kv_t, 0) - kv_t  # [B]
+        kv_pos = torch.arange(total_kv, device=slot_t.device) - kv_start[kv_req]
+        kv_indices = req_to_token[slot_t[kv_req], kv_pos].to(torch.int64)
+        # new token -> (its request, its absolute position prefix_len + i).
+        q_req = torch.repeat_interleave(req, q_t, output_size=total_q)  # [T]
+        q_start = torch.cumsum(q_t, 0) - q_t
+        positions = pre_t[q_req] + torch.arange(total_q, device=slot_t.device) - q_start[q_req]
+        out_rows = req_to_token[slot_t[q_req], positions].to(torch.int64)
     else:
         kv_indices = torch.zeros(0, dtype=torch.int64)
         out_rows = torch.zeros(0, dtype=torch.int64)

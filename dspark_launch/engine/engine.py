@@ -20,8 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from dspark_launch.attention import build_metadata
-from dspark_launch.engine import transfer
+from dspark_launch.attention import build_metadata, upload
 from dspark_launch.engine.exchange import IDLE_WAIT_S, Flags, Inbox, exchange
 from dspark_launch.engine.placement import CacheAwarePlacer
 from dspark_launch.engine.request import (
@@ -34,6 +33,7 @@ from dspark_launch.engine.request import (
 from dspark_launch.engine.scheduler import Scheduler, StepPlan
 from dspark_launch.failure import Interrupted, inject_fault, progress
 from dspark_launch.parallel import get_parallel
+from dspark_launch.spec import transfer
 from dspark_launch.spec.keyed import ACCEPT, SAMPLE, request_key, uniforms
 from dspark_launch.spec.proposer import Proposal, Proposer
 from dspark_launch.spec.sampling import SamplingRows, draw, target_probs
@@ -47,6 +47,15 @@ class EngineLimits:
     context_limit: int  # prompt + output tokens per request
     eos_ids: tuple[int, ...]
     seed: int = 0
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What this rank's group did in the last step (benchmarks split prefill from decode)."""
+
+    prefill_tokens: int = 0
+    decode_requests: int = 0
+    forward_tokens: int = 0
 
 
 @dataclass
@@ -70,6 +79,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.device = target.device
         self.steps = 0
+        self.last_step = StepStats()
         state = get_parallel()
         self.sched = Scheduler([], self.space, limits.max_running, limits.chunk_size,
                                self._round_rows)
@@ -149,7 +159,9 @@ class Engine:
         t0 = time.perf_counter()
         proposal = self._propose(plan.decode)
         widths = self._widths(plan.decode, proposal)
-        tokens = sum(n for _, n in plan.prefill) + sum(1 + w for w in widths)
+        prefill_tokens = sum(n for _, n in plan.prefill)
+        tokens = prefill_tokens + sum(1 + w for w in widths)
+        self.last_step = StepStats(prefill_tokens, len(plan.decode), tokens)
         events: list[tuple] = []
         if state.rank == 0:
             idle = not self.live and plan.empty and not report
@@ -252,13 +264,13 @@ class Engine:
         """Prefill chunks (host tokens) then each [anchor, drafts] block (device drafts)."""
         host = [t for r, n in plan.prefill for t in r.fill_ids[r.kv_len:r.kv_len + n]]
         anchors = [r.anchor for r in plan.decode]
-        ids = torch.tensor(host + anchors, dtype=torch.int64).to(self.device)
+        ids = upload(host + anchors, torch.int64, self.device)
         if not plan.decode or not any(widths):
             return ids
         w = 1 + max(widths)
         blocks = torch.cat([ids[len(host):, None], proposal.tokens[:, :w - 1]], dim=1)  # [R, W]
-        pick = torch.tensor([i * w + j for i, n in enumerate(widths) for j in range(1 + n)],
-                            dtype=torch.int64).to(self.device)
+        pick = upload([i * w + j for i, n in enumerate(widths) for j in range(1 + n)],
+                      torch.int64, self.device)
         return torch.cat([ids[:len(host)], blocks.reshape(-1)[pick]])
 
     # -- accept
@@ -286,19 +298,17 @@ class Engine:
         for x in widths:
             offsets.append(offsets[-1] + 1 + x)
         # [R, W] logit row of each block position, padded by repeating the block's last row.
-        block_rows = torch.tensor([[offsets[i] + min(j, x) for j in range(w)]
-                                   for i, x in enumerate(widths)],
-                                  dtype=torch.int64).reshape(n_dec, w).to(self.device)
+        block_rows = upload([[offsets[i] + min(j, x) for j in range(w)]
+                             for i, x in enumerate(widths)], torch.int64,
+                            self.device).reshape(n_dec, w)
         rows = SamplingRows.build([r.params for r in owners], [r.key for r in owners],
                                   positions, self.device)
         bans = self._bans(owners, positions)
         drafts = (proposal.tokens[:, :w - 1] if proposal is not None
                   else torch.zeros((n_dec, 0), dtype=torch.int64, device=self.device))
-        draft_lens = torch.tensor(widths, dtype=torch.int64).to(self.device)
-        if proposal is not None and proposal.keep is not None:
-            draft_lens = torch.minimum(draft_lens, proposal.keep)
+        draft_lens = upload(widths, torch.int64, self.device)
         picked = hidden if len(wanted) == hidden.shape[0] else hidden[
-            torch.tensor(wanted, dtype=torch.int64).to(self.device)]
+            upload(wanted, torch.int64, self.device)]
         if rows.all_greedy and bans is None:
             # Greedy fast path: argmax over the vocab shards, no softmax, no gathered row.
             best = self.target.greedy(picked)  # [N]
@@ -330,7 +340,7 @@ class Engine:
                     ids.append(tok)
         if not rows:
             return None
-        both = torch.tensor([rows, ids], dtype=torch.int64).to(self.device)
+        both = upload([rows, ids], torch.int64, self.device)
         return both[0], both[1]
 
     def _stop_ids(self, req: Request) -> tuple[int, ...]:

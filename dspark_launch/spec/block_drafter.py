@@ -7,19 +7,20 @@ verify, materialize() overwrites those positions with context K/V and the engine
 the rejected ones.
 
 Drafts stay on the device. Every request drafts its full block (capped by its limit), so the
-verify width is known on the host before any draft exists; DSpark's confidence cut is a
-device-side `keep` count that acceptance honours.
+verify width is known on the host before any draft exists. DSpark's confidence cut (threshold
+> 0) is the exception: its lengths are read back (spec.transfer.to_host) to shorten the verify.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dspark_launch.attention import build_metadata
+from dspark_launch.attention import build_metadata, upload
 from dspark_launch.spec.dspark_sampler import walk_block
 from dspark_launch.spec.keyed import DRAFT, uniforms
 from dspark_launch.spec.proposer import Proposal, Proposer
 from dspark_launch.spec.sampling import SamplingRows, draw, target_probs
+from dspark_launch.spec.transfer import to_host
 
 
 class DFlashProposer(Proposer):
@@ -45,8 +46,8 @@ class DFlashProposer(Proposer):
         meta = build_metadata(self.space.req_to_token, [r.slot for r in reqs],
                               [r.kv_len for r in reqs], [b] * len(reqs), "none",
                               device=device)
-        ids = torch.tensor([[r.anchor] + [self.mask_id] * (b - 1) for r in reqs],
-                           dtype=torch.int64).reshape(-1).to(device)
+        ids = upload([[r.anchor] + [self.mask_id] * (b - 1) for r in reqs], torch.int64,
+                     device).reshape(-1)
         h = self.draft.forward_block(self.target.embed(ids), meta, self.backend, self.pool)
         return h.reshape(len(reqs), b, -1)
 
@@ -81,14 +82,19 @@ class DSparkProposer(DFlashProposer):
 
     def propose(self, reqs: list, limits: list[int], rows: SamplingRows) -> Proposal:
         h = self._block_hidden(reqs)  # [R, B, d]
-        anchors = torch.tensor([q.anchor for q in reqs], dtype=torch.int64).to(h.device)
+        anchors = upload([q.anchor for q in reqs], torch.int64, h.device)
         tokens, q, conf = walk_block(self.draft, self.target.lm_head, h, anchors, rows)
-        return Proposal(tokens, list(limits), q, confident_length(conf, self.threshold))
+        kept = confident_length(conf, self.threshold)
+        if kept is None:
+            return Proposal(tokens, list(limits), q)
+        # The cut shortens the verify itself, so the host must know it: one extra read.
+        (cut,) = to_host(kept)
+        return Proposal(tokens, [min(n, c) for n, c in zip(limits, cut)], q)
 
 
 def confident_length(conf: torch.Tensor, threshold: float) -> torch.Tensor | None:
     """conf [R, B] -> [R] drafts kept: up to the first slot whose confidence is below the
-    threshold (None at threshold 0: all kept). Stays on the device."""
+    threshold (None at threshold 0: all kept). Computed on the device."""
     if threshold <= 0:
         return None
     return (conf >= threshold).to(torch.int64).cumprod(dim=1).sum(dim=1)

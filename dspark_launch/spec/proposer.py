@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark_launch.attention import upload
 from dspark_launch.spec.sampling import SamplingRows
 
 
@@ -16,16 +17,13 @@ class Proposal:
     # [R, K, V] fp32: the distribution each draft was drawn from; None: a point mass at the
     # draft (NGRAM, and model drafts when every request is greedy).
     q: torch.Tensor | None = None
-    # [R] int64 on the device: drafts that may be accepted (DSpark's confidence cut, decided
-    # on the device, so the host never waits for it); None: all `widths` drafts.
-    keep: torch.Tensor | None = None
 
     @classmethod
     def from_lists(cls, tokens: list[list[int]], device: torch.device | str) -> Proposal:
         """Host-made drafts (NGRAM, test drafters): one host->device copy."""
         k = max((len(t) for t in tokens), default=0)
         padded = [t + [0] * (k - len(t)) for t in tokens]
-        return cls(torch.tensor(padded, dtype=torch.int64).reshape(len(tokens), k).to(device),
+        return cls(upload(padded, torch.int64, device).reshape(len(tokens), k),
                    [len(t) for t in tokens])
 
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark_launch.attention import upload
+
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (engine.params.GREEDY_BELOW)
 
 
@@ -19,6 +21,7 @@ GREEDY_EPS = 1e-5  # temperatures below this are greedy (engine.params.GREEDY_BE
 class SamplingRows:
     n: int
     all_greedy: bool
+    any_greedy: bool
     any_top_k: bool
     any_top_p: bool
     temperature: torch.Tensor | None  # [N] fp32, 1 on greedy rows
@@ -34,14 +37,14 @@ class SamplingRows:
         """params: per row an object with temperature, top_k, top_p (a SamplingParams)."""
         n = len(params)
         greedy = [p.temperature < GREEDY_EPS for p in params]
-        ints = torch.tensor([keys, positions, [p.top_k for p in params]],
-                            dtype=torch.int64).reshape(3, n).to(device)
+        ints = upload([keys, positions, [p.top_k for p in params]], torch.int64,
+                      device).reshape(3, n)
         if all(greedy):
-            return cls(n, True, False, False, None, None, None, None, ints[0], ints[1])
-        floats = torch.tensor([[1.0 if g else p.temperature for p, g in zip(params, greedy)],
-                               [p.top_p for p in params], [float(g) for g in greedy]],
-                              dtype=torch.float32).reshape(3, n).to(device)
-        return cls(n, False, any(p.top_k > 0 for p in params),
+            return cls(n, True, True, False, False, None, None, None, None, ints[0], ints[1])
+        floats = upload([[1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                         [p.top_p for p in params], [float(g) for g in greedy]],
+                        torch.float32, device).reshape(3, n)
+        return cls(n, False, any(greedy), any(p.top_k > 0 for p in params),
                    any(p.top_p < 1.0 for p in params), floats[0], floats[1], ints[2],
                    floats[2] > 0.5, ints[0], ints[1])
 
@@ -51,7 +54,8 @@ class SamplingRows:
             return None if t is None else t.repeat_interleave(k)
 
         offsets = torch.arange(k, device=self.keys.device).repeat(self.n)
-        return SamplingRows(self.n * k, self.all_greedy, self.any_top_k, self.any_top_p,
+        return SamplingRows(self.n * k, self.all_greedy, self.any_greedy, self.any_top_k,
+                            self.any_top_p,
                             rep(self.temperature), rep(self.top_p), rep(self.top_k),
                             rep(self.greedy), rep(self.keys), rep(self.positions) + offsets)
 
@@ -76,6 +80,8 @@ def target_probs(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
         drop = (sorted_p.cumsum(-1) - sorted_p) >= rows.top_p[:, None]
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
         probs = probs / probs.sum(-1, keepdim=True)
+    if not rows.any_greedy:
+        return probs
     one_hot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     return torch.where(rows.greedy[:, None], one_hot, probs)
 

@@ -169,3 +169,60 @@ def test_idle_engine_returns_and_refuses_bad_prompts(tiny):
         assert r["pool_full"]
     idle = drive(args, [])
     assert idle[0]["steps"] == [[]]
+
+
+@pytest.mark.parametrize("algorithm", ["DFLASH", "DSPARK"])
+def test_greedy_fast_path_never_gathers_the_vocabulary(tiny, tmp_path, monkeypatch, algorithm):
+    """All-greedy steps take the argmax over vocab shards (tp2: two shards): the
+    full-vocabulary logits gather and the distribution builder are never called, and the
+    output is still plain greedy decoding."""
+    from dspark_launch.models.layers.embedding import ParallelLMHead
+
+    def forbidden(*_a, **_k):
+        raise AssertionError("the greedy fast path formed a full-vocabulary distribution")
+
+    monkeypatch.setattr(ParallelLMHead, "logits", forbidden)
+    monkeypatch.setattr("dspark_launch.spec.sampling.target_probs", forbidden)
+    monkeypatch.setattr("dspark_launch.spec.dspark_sampler.target_probs", forbidden)
+    monkeypatch.setattr("dspark_launch.spec.block_drafter.target_probs", forbidden)
+    monkeypatch.setattr("dspark_launch.engine.engine.target_probs", forbidden)
+    ref = _greedy_reference(tiny, tmp_path, PROMPTS[:6], 10)
+    draft = tiny.dflash(4) if algorithm == "DFLASH" else tiny.dspark(4)
+    results = drive(engine_args(tiny, algorithm, draft),
+                    [Arrival(0, spec(i, p, max_tokens=10, temperature=0.0))
+                     for i, p in enumerate(PROMPTS[:6])], world=2)
+    final = final_outputs(results[0])
+    assert [list(final[f"r{i}"].output_ids) for i in range(6)] == ref
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_idle_engine_honours_signals(tiny, world):
+    """An idle engine parks rank 0 on its inbox (no busy loop: a few steps in 0.3 s, not
+    thousands) and still stops every rank after the step in which any rank got SIGTERM."""
+    import gc
+
+    from jobs import _idle_signal_rank
+    from multirank import run_world
+
+    gc.collect()
+    results = run_world(world, _idle_signal_rank, engine_args(tiny, "NONE"), timeout=60)
+    for r in results:
+        assert r["exit_code"] == 143
+        assert r["idle_steps"] < 10
+
+
+def test_confidence_cut_costs_one_more_read(tiny, tmp_path):
+    """DSpark with a confidence threshold reads its cut lengths to shorten the verify: a
+    decode step makes exactly two device->host copies (one without a threshold), and the
+    output is still plain greedy decoding."""
+    ref = _greedy_reference(tiny, tmp_path, PROMPTS[:4], 10)
+    specs = [Arrival(0, spec(i, p, max_tokens=10, temperature=0.0))
+             for i, p in enumerate(PROMPTS[:4])]
+    for threshold, per_decode_step in [(0.5, 2), (0.0, 1)]:
+        r = drive(engine_args(tiny, "DSPARK", tiny.dspark(4),
+                              dspark_confidence_threshold=threshold), specs)[0]
+        final = final_outputs(r)
+        assert [list(final[f"r{i}"].output_ids) for i in range(4)] == ref
+        decode_steps = [n for outs, n in zip(r["steps"], r["copies"])
+                        if outs and all(len(o.accept_lens) > 0 for o in outs)]
+        assert decode_steps and set(decode_steps) == {per_decode_step}, threshold

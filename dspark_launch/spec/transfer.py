@@ -1,8 +1,10 @@
-"""The step's one device->host copy.
+"""Device->host reads: the only place a step reads the device.
 
 Everything the host must learn from a step (first tokens, accept lengths, committed tokens)
-is packed into one int64 tensor and read here; nothing else in the step reads the device.
-`copies` counts calls so tests can hold the step to one.
+is packed into one int64 tensor and read here once. The one other caller is DSpark's
+confidence cut when its threshold is > 0: the host must know the cut lengths to size the
+verify forward (what makes the cut save work), so such a step reads twice.
+`copies` counts calls so tests can hold a step to its count.
 """
 
 from __future__ import annotations
