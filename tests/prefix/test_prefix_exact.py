@@ -138,3 +138,22 @@ def test_second_turn_hits_generated_tokens(tiny, tmp_path, algorithm, world, dp)
     # attn-dp2 the placement keeps it on turn 1's group).
     assert on.records[1]["cached_tokens"] >= len(first) + MAX_NEW - 2
     assert on.records[1]["prefill_tokens"] <= len(second) - len(first) - MAX_NEW + 2
+
+
+def test_a_prefix_shared_by_requests_arriving_together_is_computed_once(tiny, tmp_path):
+    """Six prompts = one 40-token prefix + their own 5 tokens, all arriving at once: the first
+    computes the prefix, the others wait one step for it and compute only their own tokens."""
+    rng = random.Random(5)
+    prefix = [rng.randrange(2, 127) for _ in range(40)]
+    rows = [{"input_ids": prefix + [rng.randrange(2, 127) for _ in range(5)]} for _ in range(6)]
+    prompts = write_prompts(tmp_path / "six.jsonl", rows)
+    ref = reference(tiny, prompts, MAX_NEW)
+    argv = argv_for(tiny, "NONE", 1, 1, 1, prompts, pool=[
+        "--kv-cache-memory", "64MiB", "--max-total-tokens", "4096"])
+    job = run_job(tmp_path, "six", argv)
+    assert job.outputs == ref
+    assert [r["prefill_tokens"] for r in job.records] == [45] + [5] * 5
+    assert [r["cached_tokens"] for r in job.records] == [0] + [40] * 5
+    m = job.metrics
+    assert (m["cached_tokens"], m["prefill_tokens"]) == (200, 70)
+    assert m["prefix_hit_rate"] == 200 / 270
