@@ -214,17 +214,17 @@ class Probe:
     when the job shuts it down, and the acceptance calls (what each verify could accept)."""
 
     def install(self) -> None:
+        import dspark_launch.engine.accept as accept_mod
         import dspark_launch.engine.build as build_mod
-        import dspark_launch.engine.engine as engine_mod
 
         self._saved = [(build_mod, "Engine", build_mod.Engine),
-                       (engine_mod, "greedy_accept", engine_mod.greedy_accept),
-                       (engine_mod, "rejection_accept", engine_mod.rejection_accept)]
+                       (accept_mod, "greedy_accept", accept_mod.greedy_accept),
+                       (accept_mod, "rejection_accept", accept_mod.rejection_accept)]
         self.after: dict = {}
         self.verifies: list[tuple[int, int, int]] = []  # (step, draft_len, accept_len)
         probe = self
         base = build_mod.Engine
-        real_greedy, real_rejection = engine_mod.greedy_accept, engine_mod.rejection_accept
+        real_greedy, real_rejection = accept_mod.greedy_accept, accept_mod.rejection_accept
 
         class ProbeEngine(base):
             def __init__(self, *args, **kwargs):
@@ -269,8 +269,8 @@ class Probe:
             return acc, nxt
 
         build_mod.Engine = ProbeEngine
-        engine_mod.greedy_accept = recording_greedy
-        engine_mod.rejection_accept = recording_rejection
+        accept_mod.greedy_accept = recording_greedy
+        accept_mod.rejection_accept = recording_rejection
         self.step = -1
 
     def uninstall(self) -> None:

@@ -5,7 +5,9 @@ events and outputs). Inside an attn_dp group every rank holds the same requests 
 same tokens, so the group's schedulers agree without messages. Across groups the only
 couplings are the per-step exchange (engine/exchange.py) and the target forward, whose MLP
 gathers every group's tokens: every rank joins it whenever any group has tokens, idle ones with
-none. The host learns a step's results in one device->host copy (engine/transfer.py).
+none. The host learns a step's results in one device->host copy (spec/transfer.py; a DSpark
+confidence cut adds one read to size the verify), and sends it host values without waiting
+(attention.upload).
 
 Client calls (add_request, abort) are honoured on rank 0 and are no-ops elsewhere; they reach
 every rank through the next step's exchange.
@@ -21,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from dspark_launch.attention import build_metadata, upload
+from dspark_launch.engine.accept import LogitRows, accept
 from dspark_launch.engine.exchange import IDLE_WAIT_S, Flags, Inbox, exchange
 from dspark_launch.engine.placement import CacheAwarePlacer
 from dspark_launch.engine.request import (
@@ -34,10 +37,9 @@ from dspark_launch.engine.scheduler import Scheduler, StepPlan
 from dspark_launch.failure import Interrupted, inject_fault, progress
 from dspark_launch.parallel import get_parallel
 from dspark_launch.spec import transfer
-from dspark_launch.spec.keyed import ACCEPT, SAMPLE, request_key, uniforms
+from dspark_launch.spec.keyed import request_key
 from dspark_launch.spec.proposer import Proposal, Proposer
-from dspark_launch.spec.sampling import SamplingRows, draw, target_probs
-from dspark_launch.spec.verify import committed_tokens, greedy_accept, rejection_accept
+from dspark_launch.spec.sampling import SamplingRows
 
 
 @dataclass(frozen=True)
@@ -56,15 +58,6 @@ class StepStats:
     prefill_tokens: int = 0
     decode_requests: int = 0
     forward_tokens: int = 0
-
-
-@dataclass
-class Verified:
-    """A verify forward's results, still on the device."""
-
-    first: torch.Tensor  # [P] int64 first tokens of prompts that completed their prefill
-    accept_len: torch.Tensor  # [R] int64 accepted drafts per decode request
-    committed: torch.Tensor  # [R, W] int64 committed tokens, -1 padded
 
 
 class Engine:
@@ -252,10 +245,12 @@ class Engine:
             # sit past the committed length, where the next block overwrites them.
             self.proposer.materialize(captured, meta.positions, meta.out_rows)
         firsts = [r.kv_len + n == r.fill_len and not r.output_ids for r, n in plan.prefill]
-        result = self._accept(plan, proposal, widths, q_lens, firsts, hidden)
-        first, accept_len, committed = (([], [], []) if result is None else
-                                        transfer.to_host(result.first, result.accept_len,
-                                                         result.committed))
+        layout = LogitRows.of(plan.prefill, firsts, plan.decode, widths)
+        first, accept_len, committed = [], [], []
+        if layout.forward_rows:
+            done = accept(self.target, layout, proposal, hidden, self._stop_ids)
+            first, accept_len, committed = transfer.to_host(done.first, done.accept_len,
+                                                            done.committed)
         t2 = time.perf_counter()
         return self._commit(plan, firsts, first, accept_len, committed, t1 - t0, t2 - t1)
 
@@ -272,76 +267,6 @@ class Engine:
         pick = upload([i * w + j for i, n in enumerate(widths) for j in range(1 + n)],
                       torch.int64, self.device)
         return torch.cat([ids[:len(host)], blocks.reshape(-1)[pick]])
-
-    # -- accept
-
-    def _accept(self, plan: StepPlan, proposal: Proposal | None, widths: list[int],
-                q_lens: list[int], firsts: list[bool], hidden: torch.Tensor) -> Verified | None:
-        """Next-token rows -> first tokens, accept lengths and committed tokens (device)."""
-        starts = [0]
-        for n in q_lens:
-            starts.append(starts[-1] + n)
-        n_pre = len(plan.prefill)
-        # Logit rows: a completed fresh prompt's last row, then every row of each block.
-        wanted = [starts[i + 1] - 1 for i, f in enumerate(firsts) if f]
-        owners = [r for (r, _), f in zip(plan.prefill, firsts) if f]
-        positions = [0] * len(wanted)
-        for j, (req, w) in enumerate(zip(plan.decode, widths)):
-            wanted += range(starts[n_pre + j], starts[n_pre + j] + 1 + w)
-            owners += [req] * (1 + w)
-            positions += range(len(req.output_ids), len(req.output_ids) + 1 + w)
-        if not wanted:
-            return None
-        n_first, n_dec, w = len(wanted) - sum(1 + x for x in widths), len(widths), \
-            1 + max(widths, default=0)
-        offsets = [n_first]
-        for x in widths:
-            offsets.append(offsets[-1] + 1 + x)
-        # [R, W] logit row of each block position, padded by repeating the block's last row.
-        block_rows = upload([[offsets[i] + min(j, x) for j in range(w)]
-                             for i, x in enumerate(widths)], torch.int64,
-                            self.device).reshape(n_dec, w)
-        rows = SamplingRows.build([r.params for r in owners], [r.key for r in owners],
-                                  positions, self.device)
-        bans = self._bans(owners, positions)
-        drafts = (proposal.tokens[:, :w - 1] if proposal is not None
-                  else torch.zeros((n_dec, 0), dtype=torch.int64, device=self.device))
-        draft_lens = upload(widths, torch.int64, self.device)
-        picked = hidden if len(wanted) == hidden.shape[0] else hidden[
-            upload(wanted, torch.int64, self.device)]
-        if rows.all_greedy and bans is None:
-            # Greedy fast path: argmax over the vocab shards, no softmax, no gathered row.
-            best = self.target.greedy(picked)  # [N]
-            accept_len, nxt = greedy_accept(drafts, draft_lens, best[block_rows])
-            return Verified(best[:n_first], accept_len, committed_tokens(drafts, accept_len,
-                                                                         nxt))
-        logits = self.target.logits(picked).float()  # [N, V]
-        if bans is not None:
-            logits[bans] = float("-inf")
-        p = target_probs(logits, rows)  # [N, V]
-        u_sample = uniforms(rows.keys, rows.positions, SAMPLE)  # [N]
-        first = draw(p[:n_first], u_sample[:n_first])
-        q = proposal.q[:, :w - 1] if proposal is not None and proposal.q is not None else None
-        u_accept = uniforms(rows.keys[block_rows[:, :w - 1]],
-                            rows.positions[block_rows[:, :w - 1]], ACCEPT)  # [R, W-1]
-        accept_len, nxt = rejection_accept(drafts, draft_lens, q, p[block_rows],
-                                           u_accept, u_sample[block_rows])
-        return Verified(first, accept_len, committed_tokens(drafts, accept_len, nxt))
-
-    def _bans(self, owners: list[Request], positions: list[int]
-              ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(logit rows, token ids) masked out because the row's position is below its
-        request's min_tokens: EOS (unless ignore_eos) and stop_token_ids."""
-        rows, ids = [], []
-        for i, (req, pos) in enumerate(zip(owners, positions)):
-            if pos < req.params.min_tokens:
-                for tok in self._stop_ids(req):
-                    rows.append(i)
-                    ids.append(tok)
-        if not rows:
-            return None
-        both = upload([rows, ids], torch.int64, self.device)
-        return both[0], both[1]
 
     def _stop_ids(self, req: Request) -> tuple[int, ...]:
         eos = () if req.params.ignore_eos else self.limits.eos_ids

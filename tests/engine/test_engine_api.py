@@ -185,7 +185,7 @@ def test_greedy_fast_path_never_gathers_the_vocabulary(tiny, tmp_path, monkeypat
     monkeypatch.setattr("dspark_launch.spec.sampling.target_probs", forbidden)
     monkeypatch.setattr("dspark_launch.spec.dspark_sampler.target_probs", forbidden)
     monkeypatch.setattr("dspark_launch.spec.block_drafter.target_probs", forbidden)
-    monkeypatch.setattr("dspark_launch.engine.engine.target_probs", forbidden)
+    monkeypatch.setattr("dspark_launch.engine.accept.target_probs", forbidden)
     ref = _greedy_reference(tiny, tmp_path, PROMPTS[:6], 10)
     draft = tiny.dflash(4) if algorithm == "DFLASH" else tiny.dspark(4)
     results = drive(engine_args(tiny, algorithm, draft),
