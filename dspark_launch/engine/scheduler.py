@@ -121,7 +121,7 @@ class Scheduler:
             if theirs[:cached] != fill[:cached]:
                 continue
             limit = min(len(fill) - 1, len(theirs))
-            n = cached
+            n = limit if fill[:limit] == theirs[:limit] else cached
             while n < limit and fill[n] == theirs[n]:
                 n += 1
             if n // ps * ps - cached >= max(SHARED_PREFILL_WAIT, ps):

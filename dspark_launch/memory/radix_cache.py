@@ -67,8 +67,10 @@ class RadixCache:
     def _common_pages(self, key: tuple[int, ...], tokens: Sequence[int], start: int) -> int:
         """Whole pages on which key and tokens[start:] agree."""
         ps = self.page_size
-        n = 0
         limit = min(len(key), len(tokens) - start) // ps
+        if tuple(tokens[start:start + limit * ps]) == key[:limit * ps]:
+            return limit  # the common case, compared in one go
+        n = 0
         while n < limit and tuple(tokens[start + n * ps:start + (n + 1) * ps]) == \
                 key[n * ps:(n + 1) * ps]:
             n += 1
