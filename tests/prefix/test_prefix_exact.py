@@ -157,3 +157,17 @@ def test_a_prefix_shared_by_requests_arriving_together_is_computed_once(tiny, tm
     m = job.metrics
     assert (m["cached_tokens"], m["prefill_tokens"]) == (200, 70)
     assert m["prefix_hit_rate"] == 200 / 270
+
+
+@pytest.mark.parametrize("algorithm", ["DFLASH", "DSPARK"])
+def test_sampled_outputs_are_the_same_with_and_without_the_cache(tiny, tmp_path, algorithm):
+    """Sampling draws from keyed streams (request, position): with the same K/V in the pools,
+    a hit changes no draw, so sampled outputs and accept lengths match token for token."""
+    prompts = shared_prompts(str(tiny.root))
+    argv = [*argv_for(tiny, algorithm, 1, 1, 16, prompts), "--temperature", "0.8"]
+    off = run_job(tmp_path, "off", [*argv, "--disable-prefix-cache"])
+    on = run_job(tmp_path, "on", argv)
+    assert off.rcs == on.rcs == [0]
+    assert on.outputs == off.outputs
+    assert [r["accept_lens"] for r in on.records] == [r["accept_lens"] for r in off.records]
+    assert on.metrics["cached_tokens"] > 0
