@@ -63,6 +63,7 @@ class RunConfig:
     mem_fraction_static: float = 0.85
     max_total_tokens: int | None = None
     page_size: int = 1
+    disable_prefix_cache: bool = False
     max_running_requests: int = 64
     context_length: int | None = None
     plan: bool = False
@@ -157,6 +158,9 @@ def build_parser(serve: bool = False) -> argparse.ArgumentParser:
     g.add_argument("--max-total-tokens", type=int, default=None,
                    help="cap on KV rows per rank")
     g.add_argument("--page-size", type=int, default=1, help="KV rows per page (default 1)")
+    g.add_argument("--disable-prefix-cache", action="store_true",
+                   help="recompute every prompt: no radix prefix cache (shared prompt prefixes "
+                   "are cached in the KV pools by default)")
     g.add_argument("--max-running-requests", type=int, default=64,
                    help="requests decoding at once per attn_dp group (default 64)")
     g.add_argument("--context-length", type=int, default=None,
@@ -315,6 +319,7 @@ def resolve_config(argv: list[str] | None = None, world_size: int | None = None)
         mem_fraction_static=ns.mem_fraction_static,
         max_total_tokens=ns.max_total_tokens,
         page_size=ns.page_size,
+        disable_prefix_cache=ns.disable_prefix_cache,
         max_running_requests=ns.max_running_requests,
         context_length=ns.context_length,
         plan=ns.plan,

@@ -431,6 +431,7 @@ def _drive_rank(rank: int, tp: int, dp: int, engine_args, arrivals: list[Arrival
                         engine.abort(a.abort)
             one_step()
             step += 1
+    engine.flush_prefix_cache()  # cached pages go back: the allocator must be full again
     result = {"steps": steps, "copies": copies, "pool_full": engine.space.is_full(),
               "table_clear": int((engine.space.req_to_token != 0).sum()) == 0}
     engine.shutdown()

@@ -21,6 +21,7 @@ from dspark_launch.log import logger
 from dspark_launch.memory.budget import configure_memory, measure_free_bytes
 from dspark_launch.memory.build import build_kv_memory
 from dspark_launch.memory.geometry import KVGeometry
+from dspark_launch.memory.radix_cache import RadixCache
 from dspark_launch.memory.transients import check_step_peak, step_shape
 from dspark_launch.models.loader import load_model
 from dspark_launch.parallel import get_parallel
@@ -48,6 +49,7 @@ class EngineArgs:
     mem_fraction_static: float = 0.85
     max_total_tokens: int | None = None
     page_size: int = 1
+    disable_prefix_cache: bool = False
     max_running_requests: int = 64
     chunked_prefill_size: int = 512
     context_length: int | None = None
@@ -171,6 +173,9 @@ def build_engine(args: EngineArgs) -> Engine:
     memory = build_kv_memory(plan, target_geometry(target), parts.geometry,
                              args.max_running_requests, context_limit + round_rows, device,
                              target, parts.draft)
+    if not args.disable_prefix_cache:
+        # Inside the priced pools: the cache holds pages of the same allocator.
+        memory.space.attach_cache(RadixCache(memory.space.allocator))
     failure.progress.phase = "startup"
     backend = make_backend(args.attention_backend, device)
     proposer = parts.build(memory, backend)

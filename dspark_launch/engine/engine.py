@@ -31,6 +31,7 @@ from dspark_launch.engine.divergence import (
     inject_divergence,
 )
 from dspark_launch.engine.exchange import IDLE_WAIT_S, Flags, Inbox, exchange
+from dspark_launch.engine.placement import CacheAwarePlacer
 from dspark_launch.engine.request import (
     Request,
     RequestOutput,
@@ -87,6 +88,10 @@ class Engine:
         self.live: dict[int, tuple[int, int]] = {}  # index -> (attn_dp group, load)
         self.load = [0] * state.attn_dp_size
         self.commits: dict[str, list[int]] = {}  # what this rank committed last step
+        self.placer = None
+        if self.space.cache is not None and state.attn_dp_size > 1:
+            self.placer = CacheAwarePlacer(
+                state.attn_dp_size, self.space.allocator.num_pages * self.space.page_size)
         # Filled by build_engine: what was loaded, the memory plan, generation_config.json.
         self.checkpoints = None
         self.plan = None
@@ -133,6 +138,11 @@ class Engine:
         """Some request is unfinished, as every rank agreed at the end of the last step.
         Requests added since then count only after the next step() has carried them."""
         return bool(self.live)
+
+    def flush_prefix_cache(self) -> None:
+        """Give every cached page back to the allocator (only while no request runs)."""
+        if self.space.cache is not None:
+            self.space.cache.flush()
 
     def shutdown(self) -> None:
         """Drop the models, pools and table; the engine cannot step afterwards."""
@@ -398,13 +408,17 @@ class Engine:
     # -- events and outputs
 
     def _place(self, spec: RequestSpec, arrival: float) -> list[RequestOutput]:
-        """Put a new request on the least-loaded attn_dp group (the same choice on every
+        """Put a new request on an attn_dp group: the least-loaded one, or with the prefix
+        cache the one caching its longest prefix unless overloaded (the same choice on every
         rank: the loads are replicated). A refused spec finishes at once, everywhere."""
         if spec.refused is not None:
             return [refused_output(spec, arrival)]
         state = get_parallel()
-        group = min(range(len(self.load)), key=lambda g: (self.load[g], g))
         load = len(spec.prompt_ids) + spec.params.max_tokens
+        if self.placer is not None:  # the group caching the longest prefix, unless overloaded
+            group = self.placer.place(spec.prompt_ids, self.load, load)
+        else:
+            group = min(range(len(self.load)), key=lambda g: (self.load[g], g))
         self.load[group] += load
         self.live[spec.index] = (group, load)
         if group == state.attn_dp_rank:

@@ -35,6 +35,8 @@ def request_record(out: RequestOutput) -> dict:
         "draft_s": out.draft_s,
         "verify_s": out.verify_s,
         "preemptions": out.preemptions,
+        "cached_tokens": out.cached_tokens,
+        "prefill_tokens": out.prefill_tokens,
     }
 
 
@@ -44,6 +46,7 @@ def refused_record(spec: RequestSpec) -> dict:
         "completion_tokens": 0, "output_ids": [], "finish_reason": "refused",
         "error": spec.refused, "accept_lens": [], "rounds": 0, "ttft_s": None, "tpot_s": None,
         "latency_s": 0.0, "draft_s": 0.0, "verify_s": 0.0, "preemptions": 0,
+        "cached_tokens": 0, "prefill_tokens": 0,
     }
 
 
@@ -173,6 +176,8 @@ def summarize(records: list[dict], wall_s: float, extra: dict) -> dict:
     out_tokens = sum(r["completion_tokens"] for r in ran)
     ttft = [r["ttft_s"] for r in ran if r["ttft_s"] is not None]
     tpot = [r["tpot_s"] for r in ran if r["tpot_s"] is not None]
+    cached = sum(r.get("cached_tokens", 0) for r in ran)
+    computed = sum(r.get("prefill_tokens", 0) for r in ran)
     return {
         "requests": len(records),
         "refused": len(records) - len(ran),
@@ -188,6 +193,10 @@ def summarize(records: list[dict], wall_s: float, extra: dict) -> dict:
         "ttft_p99_s": _percentile(ttft, 99),
         "tpot_p50_s": _percentile(tpot, 50),
         "tpot_p99_s": _percentile(tpot, 99),
+        # Prefill positions taken from the prefix cache vs computed, over every admission.
+        "cached_tokens": cached,
+        "prefill_tokens": computed,
+        "prefix_hit_rate": cached / (cached + computed) if cached + computed else None,
         **extra,
     }
 
@@ -201,6 +210,9 @@ def format_summary(s: dict) -> str:
         f"algorithm {s.get('algorithm')}, mean tau {tau} over {s['rounds']} rounds, "
         f"histogram {s['tau_histogram']}",
     ]
+    if s.get("prefix_hit_rate") is not None:
+        lines.append(f"prefix cache: {s['cached_tokens']} prefill tokens cached, "
+                     f"{s['prefill_tokens']} computed, hit rate {s['prefix_hit_rate']:.1%}")
     if s["ttft_p50_s"] is not None:
         lines.append(f"TTFT p50 {s['ttft_p50_s'] * 1e3:.1f} ms p99 {s['ttft_p99_s'] * 1e3:.1f} ms")
     if s["tpot_p50_s"] is not None:

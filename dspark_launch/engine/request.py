@@ -51,6 +51,8 @@ class RequestOutput:
     first_token_at: float | None
     finished_at: float | None
     preemptions: int
+    cached_tokens: int = 0  # prefill positions taken from the prefix cache (all admissions)
+    prefill_tokens: int = 0  # prefill positions computed (recomputation after preemption too)
     draft_s: float = 0.0
     verify_s: float = 0.0
     error: str | None = None  # the refusal reason when finish_reason == "refused"
@@ -70,6 +72,8 @@ class Request:
     accept_lens: list[int] = field(default_factory=list)  # tokens committed per round
     admitted_seq: int = -1  # admission order: the youngest running request is preempted first
     preemptions: int = 0
+    cached_tokens: int = 0  # prefill positions taken from the prefix cache (all admissions)
+    prefill_tokens: int = 0  # prefill positions computed (recomputation after preemption too)
     first_token_at: float | None = None
     finished_at: float | None = None
     draft_time: float = 0.0
@@ -132,7 +136,9 @@ class Request:
             finish_reason=self.finish_reason, prompt_tokens=len(self.spec.prompt_ids),
             accept_lens=tuple(self.accept_lens), arrival=self.arrival,
             first_token_at=self.first_token_at, finished_at=self.finished_at,
-            preemptions=self.preemptions, draft_s=self.draft_time, verify_s=self.verify_time)
+            preemptions=self.preemptions, cached_tokens=self.cached_tokens,
+            prefill_tokens=self.prefill_tokens, draft_s=self.draft_time,
+            verify_s=self.verify_time)
 
 
 def refused_output(spec: RequestSpec, arrival: float) -> RequestOutput:

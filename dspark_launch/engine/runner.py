@@ -128,6 +128,7 @@ def run_job(args: EngineArgs, job: JobArgs) -> int:
         if writer is not None:
             writer.close()
     wall = time.perf_counter() - start
+    engine.flush_prefix_cache()
     if not engine.space.is_full():
         raise RuntimeError("KV rows leaked: the allocator is not full after every request ended")
     policy = gather_policy_report(engine)  # collective: every rank

@@ -6,6 +6,10 @@ waits; a running request that cannot grow preempts the youngest running one, who
 dropped and recomputed later — nothing over-allocates, nothing deadlocks. A request whose
 next round is longer than the context can never be scheduled: it ends with finish_reason
 "context_length" (collected by the engine through take_ended()) instead of preempting others.
+
+With a prefix cache on the request space, admission takes the longest cached prefix and
+reserves only the rest; computed prefixes go into the cache after each prefill chunk, at
+preemption (so the recomputation is a cache hit) and at the end of a request.
 """
 
 from __future__ import annotations
@@ -16,6 +20,11 @@ from dataclasses import dataclass, field
 
 from dspark_launch.engine.request import Request, Status
 from dspark_launch.memory.allocator import KVSpace, Reserve
+
+# A waiting request whose prompt shares at least this many more tokens with a prompt still in
+# prefill than the cache holds waits for that prefill to be cached instead of recomputing it
+# alongside (SGLang's in-batch prefix check uses the same 32).
+SHARED_PREFILL_WAIT = 32
 
 
 @dataclass
@@ -46,6 +55,7 @@ class Scheduler:
         self._admitted = 0
         self._preempted_now = False
         self._ended: list[Request] = []  # ended by the scheduler, not yet taken by the engine
+        self._prefilled: list[Request] = []  # last step's prefill chunks, cached at this one
 
     @property
     def has_work(self) -> bool:
@@ -54,6 +64,10 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         self._preempted_now = False
+        # Last step's prefill chunks are in both pools now: cache them for later admissions.
+        for req in self._prefilled:
+            if req.status is Status.RUNNING:
+                self.space.cache_prefix(req.slot, req.fill_ids[:req.kv_len])
         for req in sorted((r for r in self.running if r.decoding), key=lambda r: r.admitted_seq):
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
@@ -66,17 +80,24 @@ class Scheduler:
             n = min(budget, req.fill_len - req.kv_len)
             if self.space.reserve(req.slot, req.kv_len + n):
                 plan.prefill.append((req, n))
+                req.prefill_tokens += n
                 budget -= n
         # No admissions in a step that preempted: the victim would be re-admitted into the
         # pages it just gave up and preempted again next step, wasting its prefill each time.
         while (budget > 0 and self.waiting and len(self.running) < self.max_running
                and not self._preempted_now):
             req = self.waiting[0]
-            n = min(budget, req.fill_len)
             slot = self.space.new_slot()
             if slot is None:
                 break
-            answer = self.space.reserve(slot, n)
+            # The last prompt token is always computed: its logits give the first token.
+            fill = req.fill_ids
+            cached = self.space.match_prefix(slot, fill[:-1])
+            if self._shares_prefill(fill, cached):
+                self.space.free_slot(slot)
+                break  # the head of the queue waits for the shared prefix to be cached
+            n = min(budget, req.fill_len - cached)
+            answer = self.space.reserve(slot, cached + n)
             if not answer:
                 self.space.free_slot(slot)
                 if answer is Reserve.TOO_LONG:
@@ -84,12 +105,35 @@ class Scheduler:
                     continue
                 break  # first come, first served: the head of the queue waits for rows
             self.waiting.popleft()
-            req.slot, req.status, req.kv_len = slot, Status.RUNNING, 0
+            req.slot, req.status, req.kv_len = slot, Status.RUNNING, cached
+            req.cached_tokens += cached
+            req.prefill_tokens += n
             req.admitted_seq, self._admitted = self._admitted, self._admitted + 1
             self.running.append(req)
             plan.prefill.append((req, n))
             budget -= n
+        self._prefilled = [r for r, _ in plan.prefill]
         return plan
+
+    def _shares_prefill(self, fill: list[int], cached: int) -> bool:
+        """Whether fill shares SHARED_PREFILL_WAIT tokens beyond its cached part (whole pages)
+        with a running request's prompt that is not cached yet."""
+        if self.space.cache is None:
+            return False
+        ps = self.space.page_size
+        for other in self.running:
+            if not other.prefilling:
+                continue
+            theirs = other.fill_ids
+            if theirs[:cached] != fill[:cached]:
+                continue
+            limit = min(len(fill) - 1, len(theirs))
+            n = limit if fill[:limit] == theirs[:limit] else cached
+            while n < limit and fill[n] == theirs[n]:
+                n += 1
+            if n // ps * ps - cached >= max(SHARED_PREFILL_WAIT, ps):
+                return True
+        return False
 
     def _reserve(self, req: Request, length: int, plan: StepPlan) -> bool:
         """Reserve rows for a decode round, preempting younger requests while pages run out;
@@ -112,6 +156,8 @@ class Scheduler:
 
     def preempt(self, req: Request) -> None:
         self._preempted_now = True
+        # Its computed prefix stays in the cache: re-admission finds it (unless evicted).
+        self.space.cache_prefix(req.slot, req.all_ids[:req.kv_len])
         self.space.free_slot(req.slot)
         self.running.remove(req)
         req.slot, req.status, req.kv_len = None, Status.WAITING, 0
@@ -134,6 +180,7 @@ class Scheduler:
 
     def finish(self, req: Request) -> None:
         if req.slot is not None:
+            self.space.cache_prefix(req.slot, req.all_ids[:req.kv_len])
             self.space.free_slot(req.slot)
         self.running.remove(req)
         req.slot, req.status = None, Status.FINISHED

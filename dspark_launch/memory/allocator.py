@@ -8,8 +8,12 @@ is never handed out. Both pools index the same rows, so one allocator serves bot
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from dspark_launch.memory.radix_cache import Node, RadixCache
 
 
 class Reserve(enum.Enum):
@@ -88,7 +92,12 @@ class PageAllocator:
 
 
 class KVSpace:
-    """req -> token table plus the page allocator: where every (slot, position) lives."""
+    """req -> token table plus the page allocator: where every (slot, position) lives.
+
+    With a prefix cache attached, a slot's first pages may be the cache's (shared with other
+    requests, locked while the slot uses them): the slot never frees those, and an allocation
+    that finds no free page first evicts unlocked cached pages.
+    """
 
     def __init__(
         self,
@@ -120,6 +129,13 @@ class KVSpace:
         self._pages: list[list[int] | None] = [None] * max_requests  # None = slot free
         self._lens = [0] * max_requests
         self._free_slots = list(range(max_requests - 1, -1, -1))
+        self.cache: RadixCache | None = None
+        self._shared = [0] * max_requests  # leading pages of the slot that the cache owns
+        self._node: list[Node | None] = [None] * max_requests  # the cache path the slot locks
+
+    def attach_cache(self, cache: RadixCache) -> None:
+        assert cache.allocator is self.allocator and self.is_full()
+        self.cache = cache
 
     # -- slots
     def new_slot(self) -> int | None:
@@ -160,7 +176,8 @@ class KVSpace:
     def can_reserve(self, slot: int, length: int) -> bool:
         if length > self.max_context_len:
             return False
-        return self.pages_needed(slot, length) <= self.allocator.num_free_pages
+        evictable = self.cache.evictable_pages if self.cache is not None else 0
+        return self.pages_needed(slot, length) <= self.allocator.num_free_pages + evictable
 
     def reserve(self, slot: int, length: int) -> Reserve:
         """Make rows exist for positions [0, length). All or nothing."""
@@ -170,22 +187,76 @@ class KVSpace:
             return Reserve.OK
         if length > self.max_context_len:
             return Reserve.TOO_LONG
-        new_pages = self.allocator.alloc(self.pages_needed(slot, length))
+        new_pages = self._alloc(self.pages_needed(slot, length))
         if new_pages is None:
             return Reserve.NO_PAGES
         pages.extend(new_pages)
         # Positions [current, length) land first in the partly used last page (the
         # remainder of a page already held), then in the new pages, in order.
-        # Only the pages these positions touch are converted: this runs every decode step.
-        ps = self.page_size
-        first = current // ps
-        pos = torch.arange(current, length, dtype=torch.int64)
-        page_ids = torch.tensor(pages[first:], dtype=torch.int64)[pos // ps - first]
-        self.req_to_token[slot, current:length] = (page_ids * ps + pos % ps).to(
-            self.req_to_token.device
-        )
+        self._write_rows(slot, current, length)
         self._lens[slot] = length
         return Reserve.OK
+
+    def _alloc(self, n_pages: int) -> list[int] | None:
+        pages = self.allocator.alloc(n_pages)
+        if pages is None and self.cache is not None:
+            self.cache.evict(n_pages - self.allocator.num_free_pages)
+            pages = self.allocator.alloc(n_pages)
+        return pages
+
+    def _write_rows(self, slot: int, start: int, stop: int) -> None:
+        """req_to_token[slot, start:stop] from the slot's pages. Only the pages these
+        positions touch are converted: this runs every decode step."""
+        ps = self.page_size
+        first = start // ps
+        pos = torch.arange(start, stop, dtype=torch.int64)
+        page_ids = torch.tensor(self._pages[slot][first:], dtype=torch.int64)[pos // ps - first]
+        self.req_to_token[slot, start:stop] = (page_ids * ps + pos % ps).to(
+            self.req_to_token.device)
+
+    # -- prefix cache
+    def match_prefix(self, slot: int, tokens: list[int]) -> int:
+        """A fresh slot takes the longest cached prefix of tokens (whole pages, locked while
+        the slot holds them). Returns its length in tokens (0 without a cache)."""
+        pages = self._check_slot(slot)
+        assert not pages, f"match_prefix: slot {slot} already holds rows"
+        if self.cache is None or len(tokens) < self.page_size:
+            return 0
+        hit, node = self.cache.match(tokens)
+        if not hit:
+            return 0
+        self.cache.lock(node)
+        pages.extend(hit)
+        self._shared[slot], self._node[slot] = len(hit), node
+        self._lens[slot] = len(hit) * self.page_size
+        self._write_rows(slot, 0, self._lens[slot])
+        return self._lens[slot]
+
+    def cache_prefix(self, slot: int, tokens: list[int]) -> None:
+        """Hand the slot's computed whole pages to the cache; tokens are the ids at positions
+        [0, computed) (both pools' K/V for them written). Where the cache already held a page
+        for a position, the slot frees its copy and reads the cache's (same tokens, same
+        position)."""
+        pages = self._check_slot(slot)
+        if self.cache is None:
+            return
+        n = min(len(tokens) // self.page_size, len(pages))
+        shared = self._shared[slot]
+        if n <= shared:
+            return
+        tree_pages, node = self.cache.insert(tokens[:n * self.page_size], pages[:n])
+        assert tree_pages[:shared] == pages[:shared], "the slot's cached pages moved"
+        copies = [i for i in range(shared, n) if tree_pages[i] != pages[i]]
+        if copies:
+            self.allocator.free([pages[i] for i in copies])
+            for i in copies:
+                pages[i] = tree_pages[i]
+            ps = self.page_size
+            self._write_rows(slot, copies[0] * ps, (copies[-1] + 1) * ps)
+        self.cache.lock(node)
+        if self._node[slot] is not None:
+            self.cache.unlock(self._node[slot])
+        self._shared[slot], self._node[slot] = n, node
 
     def truncate(self, slot: int, length: int) -> None:
         """Keep positions [0, length); free pages wholly beyond it."""
@@ -195,12 +266,20 @@ class KVSpace:
         if length >= self._lens[slot]:
             return
         keep = -(-length // self.page_size)
+        assert keep >= self._shared[slot], (
+            f"truncate(slot {slot}, length={length}) would drop pages the cache owns")
         self.allocator.free(pages[keep:])
         del pages[keep:]
         self.req_to_token[slot, length : self._lens[slot]] = 0
         self._lens[slot] = length
 
     def free_slot(self, slot: int) -> None:
+        pages = self._check_slot(slot)
+        if self._node[slot] is not None:
+            # The cache's pages stay the cache's: the slot only lets go of them.
+            self.cache.unlock(self._node[slot])  # type: ignore[union-attr]
+            del pages[:self._shared[slot]]
+            self._shared[slot], self._node[slot] = 0, None
         self.truncate(slot, 0)
         self._pages[slot] = None
         self._free_slots.append(slot)
