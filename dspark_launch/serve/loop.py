@@ -143,6 +143,9 @@ class ServeLoop:
 
 
 def local_load(engine) -> tuple[int, int]:
-    """(KV pages in use, running requests) in this rank's attn_dp group."""
-    allocator = engine.space.allocator
-    return allocator.num_pages - allocator.num_free_pages, len(engine.sched.running)
+    """(KV pages held by requests, running requests) in this rank's attn_dp group. Prefix-cache
+    pages no request holds are not counted: an allocation evicts them on demand."""
+    allocator, cache = engine.space.allocator, engine.space.cache
+    reclaimable = cache.evictable_pages if cache is not None else 0
+    return (allocator.num_pages - allocator.num_free_pages - reclaimable,
+            len(engine.sched.running))

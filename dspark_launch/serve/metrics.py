@@ -27,7 +27,8 @@ class ServerMetrics:
         self.waiting = gauge("dspark_num_requests_waiting",
                              "requests accepted but not yet running (queued or waiting for KV)")
         self.kv_pages_used = gauge("dspark_kv_pages_used",
-                                   "KV pages in use, summed over attn_dp groups")
+                                   "KV pages held by requests (reclaimable prefix-cache pages not "
+                                   "counted), summed over attn_dp groups")
         self.kv_pages_total = gauge("dspark_kv_pages_total",
                                     "KV pages, summed over attn_dp groups")
         self.prompt_tokens = counter("dspark_prompt_tokens", "prompt tokens of finished requests")

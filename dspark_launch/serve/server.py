@@ -94,6 +94,7 @@ def serve(cfg, args: EngineArgs) -> int:
     finally:
         if http is not None:
             http.stop()
+    engine.flush_prefix_cache()  # cached pages go back first: only requests could leak
     if not engine.space.is_full():
         raise RuntimeError("KV pages leaked: the allocator is not full after the server "
                            "drained every request")

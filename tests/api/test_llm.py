@@ -68,6 +68,7 @@ def _mixed_batch(rank: int) -> dict:
         ]
         batch = llm.generate(prompts, params)
         alone = [llm.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
+        llm.engine.flush_prefix_cache()
         pages_free = llm.engine.space.is_full()
     # The caller's group survives shutdown().
     total = torch.tensor([1])
