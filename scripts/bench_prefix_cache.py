@@ -52,7 +52,10 @@ def run_side(args, prompts: Path, workdir: Path, cache: bool, rep: int) -> dict:
             str(args.max_running_requests), "--chunked-prefill-size", str(args.chunk),
             "--page-size", str(args.page_size), "--kv-cache-memory", args.kv_cache_memory,
             "--metrics-json", str(metrics), "--output", str(out), "--overwrite",
-            "--device", "cpu", "--log-level", "WARNING"]
+            "--device", "cpu", "--log-level", "WARNING",
+            # A fixed verify length: the adaptive policy picks lengths from measured step times,
+            # so its per-round accept lengths would differ run to run, cache or not.
+            "--speculative-policy", "fixed"]
     if not cache:
         argv.append("--disable-prefix-cache")
     rc = engine_main(argv)
