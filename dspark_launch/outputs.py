@@ -36,6 +36,7 @@ class CompletionOutput:
     ttft_s: float | None = None
     tpot_s: float | None = None
     preemptions: int = 0
+    cached_tokens: int = 0  # prompt positions served from the prefix cache
     error: str | None = None  # why the engine refused the request (finish_reason "refused")
 
     @property
@@ -127,7 +128,8 @@ class OutputProcessor:
             ttft_s=(first - arrival) if first is not None and arrival is not None else None,
             tpot_s=(end - first) / (n - 1) if first is not None and end is not None and n > 1
             else None,
-            preemptions=out.preemptions, error=getattr(out, "error", None))
+            preemptions=out.preemptions, cached_tokens=out.cached_tokens,
+            error=getattr(out, "error", None))
         return CompletionDelta(out.rid, out.index, text, new_ids, result)
 
 

@@ -33,6 +33,9 @@ class ServerMetrics:
                                     "KV pages, summed over attn_dp groups")
         self.prompt_tokens = counter("dspark_prompt_tokens", "prompt tokens of finished requests")
         self.generation_tokens = counter("dspark_generation_tokens", "tokens generated")
+        self.cached_tokens = counter("dspark_prefix_cached_tokens",
+                                     "prompt positions of finished requests served from the "
+                                     "prefix cache (hit rate: this / dspark_prompt_tokens)")
         self.requests = Counter("dspark_requests", "finished requests by finish reason",
                                 ("model_name", "finish_reason"), registry=r)
         self.rejected = Counter("dspark_requests_rejected", "requests answered with an error",
@@ -46,9 +49,10 @@ class ServerMetrics:
         self.model = model
 
     def finished(self, reason: str, prompt_tokens: int, ttft: float | None,
-                 tpot: float | None, accept_lens: list[int]) -> None:
+                 tpot: float | None, accept_lens: list[int], cached_tokens: int = 0) -> None:
         self.requests.labels(self.model, reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
         if ttft is not None:
             self.ttft.observe(ttft)
         if tpot is not None:

@@ -222,6 +222,22 @@ def test_metrics_and_models(server, client):
     assert server.metric("dspark_generation_tokens_total") > 0
 
 
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(server, client):
+    """The second identical request reuses the first one's cached pages (page size 1: every
+    prompt position but the last, whose logits must be computed), and says so in /metrics."""
+    prompt = heldout()[7] + " # repeated"
+    first = client.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0)
+    before = server.metric("dspark_prefix_cached_tokens_total")
+    second = client.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0)
+    deadline = time.monotonic() + 30
+    while (server.metric("dspark_prefix_cached_tokens_total") == before
+           and time.monotonic() < deadline):
+        time.sleep(0.2)
+    gained = server.metric("dspark_prefix_cached_tokens_total") - before
+    assert gained == second.usage.prompt_tokens - 1
+    assert second.choices[0].text == first.choices[0].text
+
+
 def test_sigterm_finishes_in_flight_requests_and_exits_143(server, client):
     result = {}
 
