@@ -59,6 +59,9 @@ def _on_signal(signum: int, _frame) -> None:
         _received[:] = _received or [signum]
         return
     if _received:  # a second signal: stop waiting for the step boundary
+        if _holding[0]:
+            _holding[1] = True  # raised when the held write is whole
+            return
         raise KeyboardInterrupt
     _received.append(signum)
     if progress.phase != "decode":
@@ -67,15 +70,23 @@ def _on_signal(signum: int, _frame) -> None:
         raise Interrupted(signum)
 
 
+_holding = [False, False]  # [inside signals_held, a second signal arrived meanwhile]
+
+
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
-    """Defer SIGINT / SIGTERM for a short write (one output line): a signal that arrives
-    meanwhile is delivered when the write is whole, so no line is ever torn."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    """Defer the second SIGINT / SIGTERM over a short write (one output line): it is raised
+    when the write is whole, so no line is ever torn. Done in the Python handler, not with
+    pthread_sigmask: a process-directed signal goes to any thread that does not block it
+    (uvicorn's, pytest-xdist's), and Python then runs the handler in the main thread anyway."""
+    _holding[:] = [True, False]
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        pending = _holding[1]
+        _holding[:] = [False, False]
+        if pending:
+            raise KeyboardInterrupt
 
 
 def install_signal_handlers() -> None:
