@@ -73,6 +73,7 @@ class RunConfig:
     prompts: str | None = None
     max_new_tokens: int = 128
     chunked_prefill_size: int = 512
+    disable_mixed_chunk: bool = False
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -177,6 +178,10 @@ def build_parser(serve: bool = False) -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--chunked-prefill-size", type=int, default=512,
                    help="prefill tokens per step per attn_dp group")
+    g.add_argument("--disable-mixed-chunk", action="store_true",
+                   help="a step prefills or decodes, never both: prefill chunks run first, "
+                   "alone, while decodes wait (SGLang's default; by default chunks ride along "
+                   "with the decodes of the same step)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 or -1 = off")
@@ -328,6 +333,7 @@ def resolve_config(argv: list[str] | None = None, world_size: int | None = None)
         prompts=ns.prompts,
         max_new_tokens=ns.max_new_tokens,
         chunked_prefill_size=ns.chunked_prefill_size,
+        disable_mixed_chunk=ns.disable_mixed_chunk,
         temperature=ns.temperature,
         top_p=ns.top_p,
         top_k=ns.top_k,

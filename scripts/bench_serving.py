@@ -6,9 +6,11 @@
         [--out docs/bench/bench_serving.json] [--plot docs/bench/bench_serving.png]
 
 A world of one (tp1, CPU by default, --threads 1). For each algorithm and batch size one engine
-is built; for each temperature and repeat the prompts run in waves of `batch` requests (all of
-a wave added at once, the next wave after it drains), so prefill steps and decode steps are
-apart: decode tok/s counts only the tokens and wall time of steps that prefilled nothing
+is built; for each temperature and repeat the prompts run at a concurrency of `batch` (a new
+request is added as soon as one finishes, as vLLM's --max-concurrency does; fixed waves that
+drained to their slowest request penalised speculation, whose requests finish at different
+steps). The engine runs with disable_mixed_chunk, so a step prefills or decodes, never both:
+decode tok/s counts only the tokens and wall time of steps that prefilled nothing
 (engine.last_step). Each number is the median of the repeats. Greedy outputs of every
 algorithm are checked against NONE's (lossless). Fewer than --num-prompts prompts in the file
 are stretched by cutting each at earlier line ends (distinct, shorter prompts).
@@ -44,33 +46,52 @@ def load_prompts(path: str, n: int) -> list[str]:
     return out[:n]
 
 
-def run_waves(engine, prompts: list[list[int]], batch: int, params: SamplingParams,
+def run_concurrent(engine, prompts: list[list[int]], batch: int, params: SamplingParams,
               first_index: int) -> dict:
+    """All prompts through the engine at a concurrency of `batch`: a new request is added as
+    soon as one finishes (the engine prefills it in a step of its own: disable_mixed_chunk)."""
     decode_s = prefill_s = 0.0
     decode_tokens = total_tokens = 0
     outputs: dict[int, tuple[int, ...]] = {}
     rounds: list[int] = []
+    queue = list(enumerate(prompts))
+    queue.reverse()
     start = time.perf_counter()
-    for w in range(0, len(prompts), batch):
-        for i, ids in enumerate(prompts[w:w + batch]):
-            idx = first_index + w + i
-            engine.add_request(RequestSpec(idx, str(idx), tuple(ids), params))
-        engine.step()  # carries the wave in (no forward)
-        while engine.has_work:
-            t0 = time.perf_counter()
-            outs = engine.step()
-            dt = time.perf_counter() - t0
-            new = sum(len(o.new_token_ids) for o in outs)
-            total_tokens += new
-            if engine.last_step.prefill_tokens:
-                prefill_s += dt
-            else:
-                decode_s += dt
-                decode_tokens += new
-            for o in outs:
-                if o.finished:
-                    outputs[o.index - first_index] = o.output_ids
-                    rounds += o.accept_lens
+
+    pending = True
+
+    def add(n: int) -> None:
+        for _ in range(min(n, len(queue))):
+            i, ids = queue.pop()
+            engine.add_request(RequestSpec(first_index + i, str(first_index + i), tuple(ids),
+                                           params))
+
+    add(batch)
+    while True:
+        if not engine.has_work:  # added requests count once a step has carried them in
+            if not pending:
+                break
+            engine.step()  # no forward: nothing was running
+            pending = False
+            continue
+        pending = False
+        t0 = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t0
+        new = sum(len(o.new_token_ids) for o in outs)
+        total_tokens += new
+        if engine.last_step.prefill_tokens:
+            prefill_s += dt
+        else:
+            decode_s += dt
+            decode_tokens += new
+        finished = [o for o in outs if o.finished]
+        for o in finished:
+            outputs[o.index - first_index] = o.output_ids
+            rounds += o.accept_lens
+        if finished and queue:
+            add(len(finished))  # the next step carries them in; they prefill after it
+            pending = True
     wall = time.perf_counter() - start
     return {"decode_tok_s": decode_tokens / decode_s if decode_s else None,
             "decode_s": decode_s, "prefill_s": prefill_s, "decode_tokens": decode_tokens,
@@ -154,37 +175,49 @@ def main() -> None:
     texts = load_prompts(args.prompts, args.num_prompts)
     results: dict[str, dict] = {}
     index = 0
+    runs: dict[tuple[str, str], list[dict]] = {}  # (group, algorithm) -> one per repeat
     try:
-        for algorithm in args.algorithms:
-            for batch in args.batches:
+        for batch in args.batches:
+            engines = {}
+            for algorithm in args.algorithms:
                 draft = {"DFLASH": args.dflash, "DSPARK": args.dspark}.get(algorithm)
-                engine = build_engine(EngineArgs(
+                engines[algorithm] = build_engine(EngineArgs(
                     model=args.model, draft=draft, speculative_algorithm=algorithm,
                     block_size=args.block_size, attention_backend=args.attention_backend,
                     kv_cache_memory=parse_bytes(args.kv_cache_memory),
-                    max_running_requests=batch, speculative_policy=args.speculative_policy))
-                prompts = [engine.tokenizer.encode(t).ids for t in texts]
+                    max_running_requests=batch, speculative_policy=args.speculative_policy,
+                    disable_mixed_chunk=True))
+            prompts = [engines[args.algorithms[0]].tokenizer.encode(t).ids for t in texts]
+            # Repeats outermost and the algorithms next to each other inside one, so a slow
+            # spell of a shared machine lands on all of them, not on one algorithm's runs.
+            for rep in range(args.repeats):
                 for temp in args.temperatures:
                     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=temp)
-                    runs = []
-                    for _ in range(args.repeats):
-                        runs.append(run_waves(engine, prompts, batch, params, index))
+                    group = f"batch {batch}, T={temp:g}"
+                    for algorithm, engine in engines.items():
+                        r = run_concurrent(engine, prompts, batch, params, index)
                         index += len(prompts)
-                    r = median_of(runs)
-                    results.setdefault(f"batch {batch}, T={temp:g}", {})[algorithm] = r
-                    print(f"batch {batch:3d} T={temp:g} {algorithm:7s} decode "
-                          f"{r['decode_tok_s'] or 0:8.1f} tok/s  all {r['tok_s']:8.1f} tok/s  "
-                          f"tau {r['tau'] or 0:.2f}", flush=True)
+                        runs.setdefault((group, algorithm), []).append(r)
+                        print(f"repeat {rep} {group} {algorithm:7s} decode "
+                              f"{r['decode_tok_s'] or 0:8.1f} tok/s  all {r['tok_s']:8.1f} "
+                              f"tok/s  tau {r['tau'] or 0:.2f}", flush=True)
+            for engine in engines.values():
                 engine.shutdown()
     finally:
         destroy_parallel_runtime()
+    for (group, algorithm), rs in runs.items():
+        results.setdefault(group, {})[algorithm] = median_of(rs)
     for group, by_alg in results.items():
-        base = by_alg.get("NONE")
-        for r in by_alg.values():
-            if base and r.get("decode_tok_s") and base.get("decode_tok_s"):
-                r["speedup_vs_none"] = r["decode_tok_s"] / base["decode_tok_s"]
+        base = runs.get((group, "NONE"))
+        for algorithm, r in by_alg.items():
+            mine = runs[(group, algorithm)]
+            if base and all(x["decode_tok_s"] for x in mine + base):
+                # Paired: each repeat against NONE's run of the same repeat, then the median.
+                r["speedup_vs_none"] = statistics.median(
+                    x["decode_tok_s"] / b["decode_tok_s"] for x, b in zip(mine, base))
             if base and group.endswith("T=0"):
-                r["lossless_vs_none"] = r["outputs"] == base["outputs"]
+                r["lossless_vs_none"] = all(x["outputs"] == b["outputs"]
+                                            for x, b in zip(mine, base))
         for r in by_alg.values():
             r.pop("outputs", None)
     # NONE at T=1 against NONE at T=0, per batch (issue 14: the sampler's overhead).

@@ -407,11 +407,13 @@ def _drive_rank(rank: int, tp: int, dp: int, engine_args, arrivals: list[Arrival
     engine = build_engine(engine_args)
     steps: list[list] = []
     copies: list[int] = []
+    drafted: list[int] = []
 
     def one_step() -> None:
         before = transfer.copies
         steps.append(engine.step())
         copies.append(transfer.copies - before)
+        drafted.append(engine.last_step.drafted)
 
     if alone:
         for a in arrivals:
@@ -432,7 +434,8 @@ def _drive_rank(rank: int, tp: int, dp: int, engine_args, arrivals: list[Arrival
             one_step()
             step += 1
     engine.flush_prefix_cache()  # cached pages go back: the allocator must be full again
-    result = {"steps": steps, "copies": copies, "pool_full": engine.space.is_full(),
+    result = {"steps": steps, "copies": copies, "drafted": drafted,
+              "pool_full": engine.space.is_full(),
               "table_clear": int((engine.space.req_to_token != 0).sum()) == 0}
     engine.shutdown()
     return result

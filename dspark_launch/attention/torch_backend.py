@@ -167,14 +167,20 @@ class TorchAttentionBackend(AttentionBackend):
         kp, vp = kp.transpose(1, 2).to(q.dtype), vp.transpose(1, 2).to(q.dtype)  # [B, Hkv, K, .]
         qp = q.view(b, -1, hq, d) if state.tok is None else q[state.tok]  # [B, Q, Hq, D]
         n_q, group = qp.shape[1], hq // hkv
-        if state.shared_keys and gqa:
-            # All rows see the same keys, so the `group` query heads of each KV head become
-            # extra query rows of one plain (non-GQA) attention: [B, Hkv, Q * group, D].
-            # SDPA's GQA path is 2-3x slower on CPU at decode sizes; the result is the same.
+        if gqa and not state.is_causal:
+            # The `group` query heads of each KV head become extra query rows of one plain
+            # (non-GQA) attention: [B, Hkv, Q * group, D], row q * group + g. SDPA's GQA path
+            # is 2-3x slower on CPU at decode and verify sizes; the result is the same.
             qp = qp.reshape(b, n_q, hkv, group, d).transpose(1, 2).reshape(b, hkv, -1, d)
-            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=state.mask,
+            mask = state.mask
+            if mask is not None and mask.shape[-2] > 1:  # [B, 1, Q, K]: one row per query
+                mask = mask.unsqueeze(3).expand(b, 1, n_q, group, max_k).reshape(
+                    b, 1, n_q * group, max_k)
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask,
                                                scale=sm_scale)  # [B, Hkv, Q * group, Dv]
             o = o.view(b, hkv, n_q, group, dv).transpose(1, 2)  # [B, Q, Hkv, group, Dv]
+            if state.row_ok is not None:  # [B, 1, Q, 1]
+                o = torch.where(state.row_ok.view(b, n_q, 1, 1, 1), o, 0.0)
         else:
             o = F.scaled_dot_product_attention(
                 qp.transpose(1, 2), kp, vp, attn_mask=state.mask, is_causal=state.is_causal,

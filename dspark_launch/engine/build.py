@@ -52,6 +52,7 @@ class EngineArgs:
     disable_prefix_cache: bool = False
     max_running_requests: int = 64
     chunked_prefill_size: int = 512
+    disable_mixed_chunk: bool = False
     context_length: int | None = None
     seed: int = 0
 
@@ -193,7 +194,8 @@ def build_engine(args: EngineArgs) -> Engine:
             plan.transient_bytes, context_limit, backend.name)
     limits = EngineLimits(
         max_running=args.max_running_requests, chunk_size=args.chunked_prefill_size,
-        context_limit=context_limit, eos_ids=tuple(target.config.eos_token_ids), seed=args.seed)
+        context_limit=context_limit, eos_ids=tuple(target.config.eos_token_ids), seed=args.seed,
+        mixed_chunk=not args.disable_mixed_chunk)
     engine = Engine(target, proposer, memory, backend, limits, load_tokenizer(ckpt.model))
     engine.checkpoints = ckpt
     engine.plan = plan

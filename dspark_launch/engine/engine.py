@@ -56,6 +56,7 @@ class EngineLimits:
     context_limit: int  # prompt + output tokens per request
     eos_ids: tuple[int, ...]
     seed: int = 0
+    mixed_chunk: bool = True  # prefill chunks may share a step with decodes
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class StepStats:
     prefill_tokens: int = 0
     decode_requests: int = 0
     forward_tokens: int = 0
+    drafted: int = 0  # requests that drafted (the policy may keep any from drafting)
 
 
 class Engine:
@@ -82,7 +84,7 @@ class Engine:
         self.last_step = StepStats()
         state = get_parallel()
         self.sched = Scheduler([], self.space, limits.max_running, limits.chunk_size,
-                               self._round_rows)
+                               self._round_rows, limits.mixed_chunk)
         self.inbox = Inbox()
         # Replicated on every rank: where each unfinished request runs, and each group's load.
         self.live: dict[int, tuple[int, int]] = {}  # index -> (attn_dp group, load)
@@ -169,7 +171,7 @@ class Engine:
         widths = self._widths(plan, proposal, drafted)
         prefill_tokens = sum(n for _, n in plan.prefill)
         tokens = prefill_tokens + sum(1 + w for w in widths)
-        self.last_step = StepStats(prefill_tokens, len(plan.decode), tokens)
+        self.last_step = StepStats(prefill_tokens, len(plan.decode), tokens, drafted)
         events: list[tuple] = []
         if state.rank == 0:
             idle = not self.live and plan.empty and not report
@@ -215,6 +217,13 @@ class Engine:
     # -- schedule helpers
 
     def _round_rows(self, req: Request) -> int:
+        """Rows the scheduler reserves (preempting if it must) for a decode round. Adaptive:
+        the anchor's only; drafts are optional, their rows are reserved once the policy has
+        chosen who drafts (_reserve_drafts), and a request that finds no room decodes plainly
+        instead of preempting another. Fixed: the whole round, so every request drafts in
+        every round whatever the memory pressure (its outputs depend on its seed alone)."""
+        if self.policy is not None and self.policy.adaptive:
+            return 1
         return max(1 + self._draft_limit(req), self.proposer.block_rows)
 
     def _draft_limit(self, req: Request) -> int:
@@ -263,6 +272,9 @@ class Engine:
             sub = [i for i, n in enumerate(limits) if n > 0]
             if not sub:
                 return None, 0
+        sub = self._reserve_drafts(decode, limits, sub)
+        if not sub:
+            return None, 0
         reqs = [decode[i] for i in sub]
         proposal = self.proposer.propose(reqs, [limits[i] for i in sub],
                                          self._request_rows(reqs))
@@ -270,6 +282,20 @@ class Engine:
             proposal = spread(proposal, sub, len(decode))
         self._draft_s = time.perf_counter() - t0
         return proposal, len(sub)
+
+    def _reserve_drafts(self, decode: list[Request], limits: list[int], sub: list[int]
+                        ) -> list[int]:
+        """Rows for the drafts of the requests at `sub` (the draft block and the verify);
+        those that find none (pages, context) draft nothing this step. Which ones may draft
+        is decided before any draft exists, so this is lossless like the policy itself."""
+        rows = self.proposer.block_rows
+        kept = []
+        for i in sub:
+            req = decode[i]
+            if limits[i] > 0 and self.space.reserve(req.slot,
+                                                    req.kv_len + max(1 + limits[i], rows)):
+                kept.append(i)
+        return kept
 
     @staticmethod
     def _base_tokens(plan: StepPlan) -> int:
@@ -311,9 +337,12 @@ class Engine:
         hidden, captured = self.target.forward(ids, meta, self.backend, self.memory.target,
                                                self.proposer.capture_layer_ids, flags.tokens)
         if self.proposer.capture_layer_ids:
-            # Every row's context K/V goes into the draft pool now, rejected rows too: they
-            # sit past the committed length, where the next block overwrites them.
-            self.proposer.materialize(captured, meta.positions, meta.out_rows)
+            # Every row's context K/V goes into the draft pool, rejected rows too: they sit
+            # past the committed length, where the next block overwrites them. When nobody
+            # drafted, the decode rows are all committed anchors: they may wait (lazily
+            # written before the next draft), so a step that skips drafting costs nothing.
+            defer = sum(q_lens[:len(plan.prefill)]) if not any(widths) else None
+            self.proposer.materialize(captured, meta.positions, meta.out_rows, defer)
         firsts = [r.kv_len + n == r.fill_len and not r.output_ids for r, n in plan.prefill]
         layout = LogitRows.of(plan.prefill, firsts, plan.decode, widths)
         first, accept_len, committed = [], [], []

@@ -45,7 +45,9 @@ class Scheduler:
         max_running: int,
         chunk_size: int,
         round_rows: Callable[[Request], int],  # KV positions a decode round writes past kv_len
+        mixed: bool = True,  # a step may prefill and decode together (else: prefill first)
     ) -> None:
+        self.mixed = mixed
         self.space = space
         self.max_running = max_running
         self.chunk_size = chunk_size
@@ -68,11 +70,24 @@ class Scheduler:
         for req in self._prefilled:
             if req.status is Status.RUNNING:
                 self.space.cache_prefix(req.slot, req.fill_ids[:req.kv_len])
+        if self.mixed:
+            self._schedule_decode(plan)
+            self._schedule_prefill(plan)
+        else:  # prefill first, alone; decode when nothing can prefill (SGLang's default)
+            self._schedule_prefill(plan)
+            if not plan.prefill:
+                self._schedule_decode(plan)
+        self._prefilled = [r for r, _ in plan.prefill]
+        return plan
+
+    def _schedule_decode(self, plan: StepPlan) -> None:
         for req in sorted((r for r in self.running if r.decoding), key=lambda r: r.admitted_seq):
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
             if self._reserve(req, req.kv_len + self.round_rows(req), plan):
                 plan.decode.append(req)
+
+    def _schedule_prefill(self, plan: StepPlan) -> None:
         budget = self.chunk_size
         for req in sorted((r for r in self.running if r.prefilling), key=lambda r: r.admitted_seq):
             if budget == 0:
@@ -112,8 +127,6 @@ class Scheduler:
             self.running.append(req)
             plan.prefill.append((req, n))
             budget -= n
-        self._prefilled = [r for r, _ in plan.prefill]
-        return plan
 
     def _shares_prefill(self, fill: list[int], cached: int) -> bool:
         """Whether fill shares SHARED_PREFILL_WAIT tokens beyond its cached part (whole pages)

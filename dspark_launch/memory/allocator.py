@@ -8,9 +8,13 @@ is never handed out. Both pools index the same rows, so one allocator serves bot
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
+
+from dspark_launch.attention.metadata import upload
 
 if TYPE_CHECKING:
     from dspark_launch.memory.radix_cache import Node, RadixCache
@@ -123,15 +127,36 @@ class KVSpace:
         self.allocator = PageAllocator(num_pages, page_size)
         # Rows the pools must have: the pages plus the dummy page 0.
         self.num_rows = (num_pages + 1) * page_size
-        self.req_to_token = torch.zeros(
+        self._table = torch.zeros(
             (max_requests, max_context_len), dtype=torch.int64, device=device
         )
+        # Table writes wait here (flat index, row) until the table is next read, so a step's
+        # reserves and truncates of every request reach the device as one write.
+        self._writes: list[tuple[np.ndarray, np.ndarray]] = []
+        # Called before rows change hands (freed, or handed to the prefix cache): whoever
+        # still owes those rows a write (the block drafter's deferred context) pays it now.
+        self.before_release: list[Callable[[], None]] = []
         self._pages: list[list[int] | None] = [None] * max_requests  # None = slot free
         self._lens = [0] * max_requests
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self.cache: RadixCache | None = None
         self._shared = [0] * max_requests  # leading pages of the slot that the cache owns
         self._node: list[Node | None] = [None] * max_requests  # the cache path the slot locks
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        """[max_requests, max_context_len] pool row of every (slot, position); reading it
+        applies the pending writes first (one host->device copy and one scatter)."""
+        if self._writes:
+            index = np.concatenate([i for i, _ in self._writes])
+            rows = np.concatenate([r for _, r in self._writes])
+            self._writes = []
+            # A later write to the same entry wins (reserve after truncate in one step).
+            _, last = np.unique(index[::-1], return_index=True)
+            keep = len(index) - 1 - last
+            both = upload(np.stack([index[keep], rows[keep]]), torch.int64, self._table.device)
+            self._table.view(-1).index_copy_(0, both[0], both[1])
+        return self._table
 
     def attach_cache(self, cache: RadixCache) -> None:
         assert cache.allocator is self.allocator and self.is_full()
@@ -205,14 +230,13 @@ class KVSpace:
         return pages
 
     def _write_rows(self, slot: int, start: int, stop: int) -> None:
-        """req_to_token[slot, start:stop] from the slot's pages. Only the pages these
-        positions touch are converted: this runs every decode step."""
+        """req_to_token[slot, start:stop] from the slot's pages (applied at the next read).
+        Only the pages these positions touch are converted: this runs every decode step."""
         ps = self.page_size
         first = start // ps
-        pos = torch.arange(start, stop, dtype=torch.int64)
-        page_ids = torch.tensor(self._pages[slot][first:], dtype=torch.int64)[pos // ps - first]
-        self.req_to_token[slot, start:stop] = (page_ids * ps + pos % ps).to(
-            self.req_to_token.device)
+        pos = np.arange(start, stop, dtype=np.int64)
+        page_ids = np.asarray(self._pages[slot][first:], dtype=np.int64)[pos // ps - first]
+        self._writes.append((slot * self.max_context_len + pos, page_ids * ps + pos % ps))
 
     # -- prefix cache
     def match_prefix(self, slot: int, tokens: list[int]) -> int:
@@ -244,6 +268,8 @@ class KVSpace:
         shared = self._shared[slot]
         if n <= shared:
             return
+        for hook in self.before_release:
+            hook()
         tree_pages, node = self.cache.insert(tokens[:n * self.page_size], pages[:n])
         assert tree_pages[:shared] == pages[:shared], "the slot's cached pages moved"
         copies = [i for i in range(shared, n) if tree_pages[i] != pages[i]]
@@ -270,11 +296,14 @@ class KVSpace:
             f"truncate(slot {slot}, length={length}) would drop pages the cache owns")
         self.allocator.free(pages[keep:])
         del pages[keep:]
-        self.req_to_token[slot, length : self._lens[slot]] = 0
+        index = slot * self.max_context_len + np.arange(length, self._lens[slot], dtype=np.int64)
+        self._writes.append((index, np.zeros_like(index)))  # back to the dummy row
         self._lens[slot] = length
 
     def free_slot(self, slot: int) -> None:
         pages = self._check_slot(slot)
+        for hook in self.before_release:
+            hook()
         if self._node[slot] is not None:
             # The cache's pages stay the cache's: the slot only lets go of them.
             self.cache.unlock(self._node[slot])  # type: ignore[union-attr]

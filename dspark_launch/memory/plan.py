@@ -284,7 +284,8 @@ def _transients_lines(report: dict) -> list[str]:
     for r in report["ranks"]:
         x = r["transients"]
         key = (
-            f"{x['total']} B ({x['total'] / GIB:.3f} GiB) = max(propose: draft {x['draft']}, "
+            f"{x['total']} B ({x['total'] / GIB:.3f} GiB) = deferred draft context "
+            f"{x['deferred']} + max(propose: draft {x['draft']}, "
             f"verify: draft_q {x['draft_q']} + features {x['features']} + max(attention "
             f"{x['attention']} + mlp {x['mlp']} + split_k {x['split_k']}, verify_logits "
             f"{x['verify_logits']} + sampler {x['sampler']}))"

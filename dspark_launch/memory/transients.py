@@ -17,7 +17,9 @@ forward's activations are gone before the logits exist, so
     peak = max(propose: draft,
                verify: draft_q + features + max(attention + mlp + split-K,
                                                 verify_logits + sampler)).
-The sampled terms are always priced: any request may ask for temperature > 0.
+The sampled terms are always priced: any request may ask for temperature > 0. A block
+drafter's deferred context (features of up to DEFERRED_CONTEXT_ROWS + R committed rows, and
+their concatenation when written) outlives steps: it is added to the peak.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from dspark_launch.errors import LaunchError
 from dspark_launch.parallel import get_parallel
 
 FP32 = 4
+# Context rows a block drafter may let wait for the draft pool (spec/block_drafter.py): they
+# live across steps, so they are priced on top of every step's peak.
+DEFERRED_CONTEXT_ROWS = 256
 SPLITK_MAX_SPLITS = 8  # kernels/decode_attention.py MAX_SPLITS (a test keeps them equal)
 
 # algorithm -> (drafts per round, draft block rows) as a function of the block size B,
@@ -100,12 +105,14 @@ class Transients:
     attention: int  # one layer's q|k|v and their temporaries, and the residual stream
     mlp: int  # DP gather buffer + the MLP's intermediates over every group's rows
     split_k: int  # decode attention partial outputs and LSEs
+    deferred: int = 0  # a block drafter's context rows waiting for the draft pool
 
     @property
     def total(self) -> int:
         forward = self.attention + self.mlp + self.split_k
         logits = self.verify_logits + self.sampler
-        return max(self.draft, self.draft_q + self.features + max(forward, logits))
+        return self.deferred + max(self.draft,
+                                   self.draft_q + self.features + max(forward, logits))
 
     def to_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -140,6 +147,9 @@ def price_step(s: StepShape) -> Transients:
         mlp=all_groups * mlp_width * it,
         # The split-K decode kernel runs only when every request has one row: R of them.
         split_k=s.max_running * q_local * SPLITK_MAX_SPLITS * (s.v_head_dim + 1) * FP32,
+        # features (m * d) plus position and row (int64) per row, twice while concatenated
+        deferred=(2 * (DEFERRED_CONTEXT_ROWS + s.max_running)
+                  * (s.captured_layers * d * it + 16) if s.draft_rows else 0),
     )
 
 

@@ -6,6 +6,12 @@ same positions (the scheduler reserved them), so no temporary slots are needed: 
 verify, materialize() overwrites those positions with context K/V and the engine truncates
 the rejected ones.
 
+A step in which no request drafted needs no draft context yet: its rows (all committed: anchors
+of plain-decoding requests) wait, and are written in one batch before the next draft forward,
+before their rows change hands (KVSpace.before_release), or once DEFERRED_CONTEXT_ROWS have
+gathered.
+When the policy keeps every request from drafting, this is what makes speculation cost nothing.
+
 Drafts stay on the device. Every request drafts its full block (capped by its limit), so the
 verify width is known on the host before any draft exists. DSpark's confidence cut (threshold
 > 0) is the exception: its lengths are read back (spec.transfer.to_host) to shorten the verify.
@@ -16,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from dspark_launch.attention import build_metadata, upload
+from dspark_launch.memory.transients import DEFERRED_CONTEXT_ROWS
 from dspark_launch.spec.dspark_sampler import walk_block
 from dspark_launch.spec.keyed import DRAFT, uniforms
 from dspark_launch.spec.proposer import Proposal, Proposer
@@ -32,6 +39,10 @@ class DFlashProposer(Proposer):
         self.block_size = block_size
         self.capture_layer_ids = tuple(draft.config.target_layer_ids)
         self.mask_id = draft.config.mask_token_id
+        self._pending: list[tuple[torch.Tensor, ...]] = []  # (features, positions, rows)
+        self._pending_rows = 0
+        if space is not None:  # None: a stub that only answers max_drafts/block_rows
+            space.before_release.append(self.flush)
 
     @property
     def max_drafts(self) -> int:
@@ -52,6 +63,7 @@ class DFlashProposer(Proposer):
         return h.reshape(len(reqs), b, -1)
 
     def propose(self, reqs: list, limits: list[int], rows: SamplingRows) -> Proposal:
+        self.flush()  # the block attends to the whole context
         h = self._block_hidden(reqs)[:, 1:]  # [R, B-1, d]: slot j predicts position start+j
         r, k, d = h.shape
         flat = h.reshape(r * k, d)
@@ -62,7 +74,26 @@ class DFlashProposer(Proposer):
         tokens = draw(q, uniforms(slots.keys, slots.positions, DRAFT))
         return Proposal(tokens.reshape(r, k), list(limits), q.reshape(r, k, -1))
 
-    def materialize(self, features, positions, rows) -> None:
+    def materialize(self, features, positions, rows, defer_from=None) -> None:
+        n = features.shape[0]
+        if defer_from is not None and defer_from < n:
+            part = (features[defer_from:], positions[defer_from:], rows[defer_from:])
+            if defer_from:  # a view would keep the whole step's features alive
+                part = tuple(t.clone() for t in part)
+            self._pending.append(part)
+            self._pending_rows += n - defer_from
+            features, positions, rows = features[:defer_from], positions[:defer_from], \
+                rows[:defer_from]
+        self.draft.materialize(features, positions, rows, self.pool)
+        if self._pending_rows >= DEFERRED_CONTEXT_ROWS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the waiting context rows into the draft pool (one batched call)."""
+        if not self._pending:
+            return
+        features, positions, rows = (torch.cat(parts) for parts in zip(*self._pending))
+        self._pending, self._pending_rows = [], 0
         self.draft.materialize(features, positions, rows, self.pool)
 
 
@@ -81,6 +112,7 @@ class DSparkProposer(DFlashProposer):
         return self.block_size
 
     def propose(self, reqs: list, limits: list[int], rows: SamplingRows) -> Proposal:
+        self.flush()  # the block attends to the whole context
         h = self._block_hidden(reqs)  # [R, B, d]
         anchors = upload([q.anchor for q in reqs], torch.int64, h.device)
         tokens, q, conf = walk_block(self.draft, self.target.lm_head, h, anchors, rows)

@@ -33,7 +33,6 @@ def walk_block(
         base = lm_head.logits(flat).reshape(r, b, -1)  # [R, B, V]
         vocab = None
     tokens = torch.empty((r, b), dtype=torch.int64, device=hidden.device)
-    conf = torch.empty((r, b), dtype=torch.float32, device=hidden.device)
     q = None if rows.all_greedy else torch.empty((r, b, base.shape[-1]), dtype=torch.float32,
                                                  device=hidden.device)
     prev = anchors
@@ -41,7 +40,6 @@ def walk_block(
     for k in range(b):
         h_k = hidden[:, k]  # [R, d]
         bias, state = draft.markov_step(prev, h_k, state, vocab)  # [R, V or V_l] fp32
-        conf[:, k] = draft.confidence(h_k, prev)
         logits = base[:, k].float() + bias
         if q is None:
             tokens[:, k] = lm_head.argmax(logits)
@@ -49,4 +47,7 @@ def walk_block(
             q[:, k] = target_probs(logits, rows)
             tokens[:, k] = draw(q[:, k], uniforms(rows.keys, rows.positions + k, DRAFT))
         prev = tokens[:, k]  # the token actually drafted seeds the next slot
+    # c_k reads h_k and x_{k-1} only: every slot at once, once the walk has drawn them.
+    prevs = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)  # [R, B]
+    conf = draft.confidence(flat, prevs.reshape(-1)).reshape(r, b)
     return tokens, q, conf

@@ -55,5 +55,6 @@ class Proposer:
         features: torch.Tensor | None,  # [N, m*d] captured target hidden states
         positions: torch.Tensor,  # [N] absolute positions
         rows: torch.Tensor,  # [N] pool rows (same rows as the target's)
+        defer_from: int | None = None,  # rows [defer_from, N) are committed: they may wait
     ) -> None:
         """Bring the draft's context up to the committed target rows (model drafters only)."""
