@@ -10,10 +10,10 @@ from dspark_launch.engine.scheduler import Scheduler
 from dspark_launch.memory.allocator import KVSpace
 
 
-def _decoding(n: int, prompt_len: int, rounds: int, pages: int, context: int
+def _decoding(n: int, prompt_len: int, rounds: int, pages: int, context: int, slots: int = 0
               ) -> tuple[Scheduler, list[Request]]:
     """n requests admitted, prefilled and holding their first token, as the engine leaves them."""
-    space = KVSpace(pages, 1, max_requests=n, max_context_len=context, device="cpu")
+    space = KVSpace(pages, 1, max_requests=max(n, slots), max_context_len=context, device="cpu")
     reqs = [Request(RequestSpec(i, str(i), tuple(range(2, 2 + prompt_len)),
                                 SamplingParams(max_tokens=100, temperature=0.0)), 0.0, i)
             for i in range(n)]
@@ -59,3 +59,22 @@ def test_prompt_longer_than_the_context_ends_at_admission() -> None:
     assert [r for r, _ in plan.prefill] == [short]  # the queue does not wait behind it
     assert long.finish_reason == "context_length" and sched.take_ended() == [long]
     assert space.num_free_tokens == 64 - 3
+
+
+def test_unmixed_steps_prefill_alone_then_decode() -> None:
+    """disable_mixed_chunk: a step with a prefill chunk to run decodes nothing (SGLang's
+    prefill-first default); decodes resume once nothing can prefill. Mixed (the default):
+    the newcomer's chunk rides along with the decodes."""
+    for mixed in (False, True):
+        sched, reqs = _decoding(2, prompt_len=4, rounds=1, pages=64, context=100, slots=3)
+        sched.mixed = mixed
+        newcomer = Request(RequestSpec(9, "9", (2, 3, 4), SamplingParams(max_tokens=4)), 0.0, 9)
+        sched.waiting.append(newcomer)
+        sched.max_running = 3
+        plan = sched.schedule()
+        assert [r for r, _ in plan.prefill] == [newcomer]
+        assert plan.decode == (reqs if mixed else [])
+        newcomer.kv_len = 3
+        newcomer.output_ids.append(7)
+        plan = sched.schedule()
+        assert not plan.prefill and plan.decode == [*reqs, newcomer]
