@@ -58,7 +58,9 @@ from dspark_launch.spec.acceptance import (
 from dspark_launch.spec.cost_curve import CostCurve, profile_points
 
 POLICIES = ("adaptive", "fixed")
-PROBE_EVERY = 32  # steps without drafting before one probe step (see VerifyPolicy.plan)
+PROBE_EVERY = 32  # steps without drafting before one probe step (see VerifyPolicy.plan) ...
+PROBE_EVERY_MAX = 512  # ... doubling, up to this, after each probe that did not pay
+IDLE_RECHECK = 4  # while nobody drafts, the same requests are re-planned every 4th step
 
 
 @dataclass(frozen=True)
@@ -234,6 +236,10 @@ class VerifyPolicy:
         self.metrics = PolicyMetrics(positions)
         self._survival: dict[object, list[float]] = {}  # this step's a_{r,1..} per request
         self._idle = 0  # consecutive steps planned without any draft
+        self._probe_every = PROBE_EVERY
+        self._drafting = False  # the last step planned drafts
+        self._accepted = False  # ... and some draft was accepted since drafting began
+        self._idle_keys: list = []  # the requests of the last idle plan
 
     @property
     def adaptive(self) -> bool:
@@ -244,19 +250,34 @@ class VerifyPolicy:
         self._survival = {}
         if not self.adaptive or not keys:
             return list(limits)
+        if (self._idle % IDLE_RECHECK and self._idle + 1 < self._probe_every
+                and keys == self._idle_keys):
+            # Idle, same requests: their estimates have not moved (counts age with drafting
+            # steps only) and only the cost curve drifts; skip re-pricing most steps.
+            self._idle += 1
+            self.metrics.skipped_drafts += 1
+            return [0] * len(limits)
         past = [survival_of(self.tracker.conditional(k, c)[:lim])
                 for k, c, lim in zip(keys, classes, limits)]
         choice = best_prefix(past, base_tokens, self.curve.step_seconds,
                              self.draft_curve.step_seconds)
         if sum(choice.lengths) == 0 and any(limits):
+            if self._drafting:  # drafting stopped: probe less often if none was accepted
+                self._probe_every = (PROBE_EVERY if self._accepted
+                                     else min(2 * self._probe_every, PROBE_EVERY_MAX))
             self._idle += 1
-            if self._idle >= PROBE_EVERY:
-                # Probe: what would pay if drafting were free, so the draft's cost (and the
-                # acceptance) is measured again; one step in PROBE_EVERY at most.
-                choice = best_prefix(past, base_tokens, self.curve.step_seconds,
-                                     lambda n: np.zeros_like(n, dtype=np.float64))
+            if self._idle >= self._probe_every:
+                # Probe: every request drafts what it may, so the acceptance and the draft's
+                # cost are measured again whatever the estimates say; one step in
+                # PROBE_EVERY at most, backing off (up to PROBE_EVERY_MAX) while no drafted
+                # round is accepted.
+                choice = fixed_lengths(limits, base_tokens)
+        if sum(choice.lengths) and not self._drafting:
+            self._accepted = False
+        self._drafting = sum(choice.lengths) > 0
         if sum(choice.lengths) == 0 and any(limits):
             self.metrics.skipped_drafts += 1
+            self._idle_keys = list(keys)
         else:
             self._idle = 0
         if self.confidence:
@@ -291,6 +312,7 @@ class VerifyPolicy:
         """One request's round: `verified` drafts verified, `accepted` of them accepted."""
         m = self.metrics
         m.lengths[verified] += 1
+        self._accepted = self._accepted or accepted > 0
         self.tracker.observe(key, cls, verified, accepted)
         surv = self._survival.get(key)
         if surv is None:
@@ -307,13 +329,16 @@ class VerifyPolicy:
 
     def record_step(self, decode_tokens: int, forward_tokens: int, forward_s: float,
                     drafted: int, draft_s: float) -> None:
-        """Measured (agreed) times of the last step: refine both curves; age the counts."""
+        """Measured (agreed) times of the last step: refine both curves; age the counts.
+        Acceptance counts age with drafting steps only: new evidence replaces old, but a
+        drafter written off does not drift back to the optimistic prior by itself. Probes
+        (plan(), backing off) are what tries it again."""
         self.metrics.verified_tokens[decode_tokens] += 1
         self.curve.observe(forward_tokens, forward_s)
         if drafted:
             self.draft_curve.observe(drafted, draft_s)
-        self.tracker.tick()
-        self.correction.tick()
+            self.tracker.tick()
+            self.correction.tick()
 
     def forget(self, key: object) -> None:
         self.tracker.forget(key)

@@ -96,3 +96,29 @@ def test_monotone_in_survival_and_cost(rows, slope, factor):
     n = sum(choose_lengths(survival, base, curve.step_seconds).lengths)
     assert sum(choose_lengths(higher, base, curve.step_seconds).lengths) >= n
     assert sum(choose_lengths(survival, base, steeper.step_seconds).lengths) <= n
+
+
+def test_probes_back_off_while_drafting_does_not_pay():
+    """A drafter that is never accepted, on a curve where a draft costs as much as a step:
+    nothing is drafted but probes, and each probe that finds nothing accepted doubles the gap
+    to the next (PROBE_EVERY, 2x, 4x, ... up to PROBE_EVERY_MAX): decided from past rounds
+    only, so lossless like every other plan."""
+    from dspark_launch.spec.policy import PROBE_EVERY, PROBE_EVERY_MAX, VerifyPolicy
+
+    policy = VerifyPolicy("adaptive", CostCurve([1, 64], [1.0, 64.0]),
+                          CostCurve([1, 64], [1.0, 64.0]), positions=4)
+    drafted = []
+    for step in range(6000):
+        lengths = policy.plan([0], ["greedy"], [4], 1)
+        if sum(lengths):
+            assert lengths == [4]  # a probe drafts what the request may
+            drafted.append(step)
+            policy.record(0, "greedy", lengths[0], 0)
+        policy.record_step(1 + sum(lengths), 1 + sum(lengths), 1.0 + sum(lengths),
+                           int(sum(lengths) > 0), 1.0)
+    gaps = np.diff(drafted).tolist()
+    assert drafted[0] == PROBE_EVERY - 1
+    doubling = [PROBE_EVERY * 2 ** i for i in range(1, 5) if PROBE_EVERY * 2 ** i
+                < PROBE_EVERY_MAX]
+    assert gaps[:len(doubling)] == doubling
+    assert set(gaps[len(doubling):]) == {PROBE_EVERY_MAX}
