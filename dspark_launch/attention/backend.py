@@ -1,4 +1,4 @@
-"""Attention backend interface and factory."""
+"""The attention backend interface (the factory is attention/factory.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ from abc import ABC, abstractmethod
 import torch
 
 from .metadata import ForwardMetadata
-
-BACKEND_NAMES = ("auto", "torch", "triton")
 
 
 class AttentionBackend(ABC):
@@ -24,7 +22,9 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def prepare(self, meta: ForwardMetadata) -> None:
-        """Called once per model forward, before any layer runs."""
+        """Called once per model forward, before any layer runs (ForwardContext.prepare is
+        the one caller in the engine): derive whatever every layer reuses from `meta` and
+        keep it in meta.backend_state. Fresh metadata per forward; never prepared twice."""
 
     @abstractmethod
     def forward(
@@ -40,28 +40,11 @@ class AttentionBackend(ABC):
         """Store k/v at meta.out_rows, then attend. T == 0 returns an empty tensor."""
 
     def _prepared(self, meta: ForwardMetadata):
-        """This backend's per-forward state, preparing it if the caller did not."""
-        if meta.backend_state.get(self.name) is None:
-            self.prepare(meta)
+        """This backend's per-forward state (prepare() must have run for this metadata)."""
+        assert self.name in meta.backend_state, (
+            f"{self.name} backend: forward() before prepare() for this metadata")
         return meta.backend_state[self.name]
 
     @staticmethod
     def _empty_out(q: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         return q.new_empty((0, q.shape[1], v_cache.shape[-1]))
-
-
-def make_backend(name: str, device: torch.device | str) -> AttentionBackend:
-    """"auto" picks triton on CUDA and torch elsewhere."""
-    device = torch.device(device)
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch":
-        from .torch_backend import TorchAttentionBackend
-
-        return TorchAttentionBackend(device)
-    if name == "triton":
-        # Imported lazily: triton must see TRITON_INTERPRET before its first import.
-        from .triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend(device)
-    raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKEND_NAMES}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -80,7 +81,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _prepare_per_request(meta: ForwardMetadata, dev: torch.device) -> list[_PerRequest]:
-        qp, kp = meta.q_indptr.tolist(), meta.kv_indptr.tolist()
+        # Offsets from the host-side lengths: reading the device indptrs would sync.
+        qp = [0, *itertools.accumulate(meta.q_lens)]
+        kp = [0, *itertools.accumulate(meta.kv_lens)]
         kv_indices = meta.kv_indices.to(dev)
         return [
             _PerRequest(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspark_launch.attention import AttentionBackend, ForwardMetadata
+from dspark_launch.attention import ForwardContext
 from dspark_launch.parallel import get_parallel
 
 from .config import ModelConfig
@@ -28,10 +28,11 @@ from .layers import (
 class Attention(nn.Module):
     """Local heads only: qkv/o are sharded over attn_tp, o's partial sums reduced there."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
-                 ) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 layer_id: int) -> None:
         super().__init__()
         p = get_parallel()
+        self.layer_id = layer_id  # its K/V pool layer
         hd = cfg.head_dim
         self.head_dim, self.scale = hd, hd ** -0.5
         self.qkv_proj = QKVParallelLinear(
@@ -65,11 +66,9 @@ class Attention(nn.Module):
         qk = apply_rotary(qk, cos, sin)
         return qk[:, :hq], qk[:, hq:], v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: ForwardMetadata, backend: AttentionBackend,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.project(x, cos, sin)
-        o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, Hq_l, hd]
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [T, d]
+        q, k, v = self.project(x, ctx.cos, ctx.sin)
+        o = ctx.attend(self.layer_id, q, k, v, self.scale)  # [T, Hq_l, hd]
         # [T, Hq_l * hd] -> [T, d], partial sums reduced over attn_tp
         return self.o_proj(o.reshape(x.shape[0], self.qkv_proj.q_size))
 
@@ -96,20 +95,18 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
-                 ) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 layer_id: int) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, dtype, device)
+        self.self_attn = Attention(cfg, dtype, device, layer_id)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
                                                 device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: ForwardMetadata, backend: AttentionBackend, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, dp: DPTokens) -> torch.Tensor:  # [T, d] -> [T, d]
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, backend,
-                               k_cache, v_cache)
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [T, d]
+        h = x + self.self_attn(self.input_layernorm(x), ctx)
         # Every TP rank joins gather/MLP/reduce even with T == 0 (idle attn_dp group).
+        dp: DPTokens = ctx.dp
         mlp_out = self.mlp(dp.gather(self.post_attention_layernorm(h)))  # [sum_len, d]
         return h + dp.scatter(mlp_out)

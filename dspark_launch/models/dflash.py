@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark_launch.attention import AttentionBackend, ForwardMetadata
+from dspark_launch.attention import AttentionBackend, ForwardContext, ForwardMetadata
 from dspark_launch.memory.kv_pool import KVPool
 from dspark_launch.parallel import get_parallel
 
@@ -32,11 +32,11 @@ from .layers import (
 
 
 class DraftLayer(nn.Module):
-    def __init__(self, cfg: DraftConfig, dtype: torch.dtype, device: torch.device | str
-                 ) -> None:
+    def __init__(self, cfg: DraftConfig, dtype: torch.dtype, device: torch.device | str,
+                 layer_id: int) -> None:
         super().__init__()
         # The target's attention block: same qkv/o sharding over attn_tp, same q/k norms.
-        self.self_attn = Attention(cfg.layer_config(), dtype, device)
+        self.self_attn = Attention(cfg.layer_config(), dtype, device, layer_id)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device, over_attn_tp=True)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
@@ -59,11 +59,8 @@ class DraftLayer(nn.Module):
             k = attn.k_norm(k)
         return apply_rotary(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: ForwardMetadata, backend: AttentionBackend, k_cache: torch.Tensor,
-                v_cache: torch.Tensor) -> torch.Tensor:  # [T, d] -> [T, d]
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, backend,
-                               k_cache, v_cache)
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [T, d]
+        h = x + self.self_attn(self.input_layernorm(x), ctx)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -85,8 +82,8 @@ class DFlashDraft(nn.Module):
         self.fc = ColumnParallelLinear(cfg.num_features * d, d, bias=False, shards=1, rank=0,
                                        dtype=dtype, device=device)
         self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
-        self.layers = nn.ModuleList(DraftLayer(cfg, dtype, device)
-                                    for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DraftLayer(cfg, dtype, device, i)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, device)
 
@@ -126,9 +123,9 @@ class DFlashDraft(nn.Module):
         """
         assert meta.mask_mode == "none", (
             f"the draft block attends bidirectionally; got mask_mode={meta.mask_mode!r}")
-        backend.prepare(meta)
         x = x.to(self.dtype)
         cos, sin = self.rotary.cos_sin(meta.positions.to(x.device), x.dtype)  # [T, hd]
-        for layer_id, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, meta, backend, kv.k[layer_id], kv.v[layer_id])
+        ctx = ForwardContext.prepare(meta, backend, kv, cos, sin)
+        for layer in self.layers:
+            x = layer(x, ctx)
         return self.norm(x)

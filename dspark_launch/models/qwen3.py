@@ -3,8 +3,8 @@
 Parameter names mirror the HF checkpoint (`model.layers.N.self_attn.qkv_proj` receives
 q_proj/k_proj/v_proj via `packed_modules`), so the generic loader needs no model knowledge.
 
-`forward` calls `backend.prepare(meta)` itself, once, before the first layer; callers must
-pass fresh metadata per forward and must not prepare it themselves.
+`forward` builds the forward's ForwardContext (which prepares the backend, once, before the
+first layer); callers pass fresh metadata per forward and never prepare it themselves.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from dspark_launch.attention import AttentionBackend, ForwardMetadata
+from dspark_launch.attention import AttentionBackend, ForwardContext, ForwardMetadata
 from dspark_launch.parallel import get_parallel
 
 from .config import ModelConfig
@@ -30,8 +30,8 @@ class Qwen3Model(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(
             cfg.vocab_size, cfg.hidden_size, shards=p.attn_tp_size, rank=p.attn_tp_rank,
             group=p.attn_tp_group, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device)
-                                    for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, i)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, device)
 
@@ -79,13 +79,13 @@ class CausalLM(nn.Module):
         n_layers = self.config.num_hidden_layers
         bad = [i for i in ids if not -1 <= i < n_layers]
         assert not bad, f"capture_layer_ids {bad} outside [-1, {n_layers})"
-        backend.prepare(meta)
         dp = DPTokens.build(int(input_ids.shape[0]), dp_counts)
         x = self.model.embed_tokens(input_ids)  # [T, d]
         cos, sin = self.model.rotary.cos_sin(meta.positions, x.dtype)  # [T, hd]
+        ctx = ForwardContext.prepare(meta, backend, kv, cos, sin, dp)
         saved: dict[int, torch.Tensor] = {-1: x} if -1 in ids else {}
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, meta, backend, kv.k[i], kv.v[i], dp)
+            x = layer(x, ctx)
             if i in ids:
                 saved[i] = x
         captured = torch.cat([saved[i] for i in ids], dim=-1) if ids else None

@@ -12,7 +12,7 @@ import torch
 from multirank import run_world
 
 from dspark_launch.args import resolve_config
-from dspark_launch.attention import build_metadata, make_backend
+from dspark_launch.attention import ForwardContext, build_metadata, make_backend
 from dspark_launch.memory.allocator import KVSpace
 from dspark_launch.memory.geometry import KVGeometry
 from dspark_launch.memory.kv_pool import KVPool
@@ -48,7 +48,7 @@ def _layer_outputs(rank: int, world: int, kv_heads: int, page_size: int) -> list
     """Prefill two requests (chunked for one of them), then one decode step; every output."""
     init_parallel_runtime(resolve_config([], world_size=world))
     cfg, w = _config(kv_heads), _weights(kv_heads)
-    attn = Attention(cfg, torch.float32, "cpu")
+    attn = Attention(cfg, torch.float32, "cpu", layer_id=0)
     for sid in "qkv":
         attn.qkv_proj.weight.weight_loader(attn.qkv_proj.weight, w[sid], sid)
     attn.o_proj.weight.weight_loader(attn.o_proj.weight, w["o"])
@@ -66,11 +66,11 @@ def _layer_outputs(rank: int, world: int, kv_heads: int, page_size: int) -> list
         for s, p, q in zip(slots, prefix, q_lens):
             assert space.reserve(s, p + q)
         meta = build_metadata(space.req_to_token, slots, prefix, q_lens)
-        backend.prepare(meta)
         x = torch.randn(sum(q_lens), D, generator=g)
         cos, sin = rope.cos_sin(meta.positions, x.dtype)
+        ctx = ForwardContext.prepare(meta, backend, pool, cos, sin)
         with torch.no_grad():
-            outs.append(attn(x, cos, sin, meta, backend, pool.k[0], pool.v[0]).tolist())
+            outs.append(attn(x, ctx).tolist())
     return outs
 
 
