@@ -11,16 +11,20 @@ import torch.nn.functional as F
 from dspark_launch.kernels.reference import store_kv_torch
 
 from .backend import AttentionBackend
-from .metadata import ForwardMetadata
+from .metadata import ForwardMetadata, upload
 
-# Pad the whole batch into one SDPA call unless padding would multiply the work by more
-# than this (e.g. one long prefill next to many decodes): then loop per request.
-_MAX_PAD_WASTE = 4.0
+# Requests are padded into one SDPA call per group; a group closes once padding would multiply
+# its work by more than this (a long prefill next to decodes, one 9-row verify block among
+# 1-row ones): requests are grouped by (q_len, kv_len), so a step costs a few calls at most.
+_MAX_PAD_WASTE = 2.0
 _PAD_SLACK = 4096
 
 
 @dataclass
 class _Padded:
+    """One padded SDPA call over a group of requests (the whole batch, or part of it)."""
+
+    dest: torch.Tensor | None  # [T_g] int64 the group's tokens in q / out; None: all, in order
     kv_idx: torch.Tensor  # [B * maxK] int64 cache rows, request-major (0 = dummy padding)
     max_k: int
     # [B, 1, maxQ or 1, maxK] bool, True = may attend; None = no mask (every query sees
@@ -30,12 +34,12 @@ class _Padded:
     # Every query row of a request sees the same keys (mask_mode "none", or a decode batch):
     # then the query heads sharing a KV head can be folded into the query axis (see forward).
     shared_keys: bool
-    # The rest is None in the common uniform case (every request has the same q_len, e.g.
-    # a decode batch or same-width verify/draft blocks): then q is simply viewed as
-    # [B, q_len, H, D] and the output needs no gather.
-    tok: torch.Tensor | None  # [B, maxQ] int64 token index into q (0 where padded)
+    # The rest is None in the common uniform case (every request of the group has the same
+    # q_len, e.g. a decode batch or same-width verify/draft blocks): then the group's q is
+    # simply viewed as [B, q_len, H, D] and the output needs no gather.
+    tok: torch.Tensor | None  # [B, maxQ] int64 token index into the group's q (0 where padded)
     row_ok: torch.Tensor | None  # [B, 1, maxQ, 1] bool, False = fully masked -> output 0
-    flat_pos: torch.Tensor | None  # [T] int64 position of each token in the B*maxQ grid
+    flat_pos: torch.Tensor | None  # [T_g] int64 position of each token in the B*maxQ grid
 
 
 @dataclass
@@ -62,6 +66,25 @@ def _request_mask(meta: ForwardMetadata, b: int, device: torch.device) -> torch.
     return mask.to(device=device, dtype=torch.bool)
 
 
+def _groups(q_lens: list[int], kv_lens: list[int]) -> list[list[int]]:
+    """Requests -> groups padded together: sorted by (q_len, kv_len), a group closes once its
+    padded work (members x max q x max kv) would exceed _MAX_PAD_WASTE x its real work."""
+    order = sorted(range(len(q_lens)), key=lambda b: (q_lens[b], kv_lens[b]))
+    groups: list[list[int]] = []
+    work = max_q = max_k = 0
+    for b in order:
+        q, k = q_lens[b], kv_lens[b]
+        if groups:
+            n, mq, mk = len(groups[-1]) + 1, max(max_q, q), max(max_k, k)
+            if n * mq * mk <= _MAX_PAD_WASTE * (work + q * k) + _PAD_SLACK:
+                groups[-1].append(b)
+                work, max_q, max_k = work + q * k, mq, mk
+                continue
+        groups.append([b])
+        work, max_q, max_k = q * k, q, k
+    return groups
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
@@ -72,16 +95,24 @@ class TorchAttentionBackend(AttentionBackend):
         dev = self.device
         # store_kv skips rows < 0; check that once per forward, not once per layer.
         meta.backend_state[self.name + ".rows_valid"] = bool((meta.out_rows >= 0).all())
+        b = meta.num_requests
         work = sum(q * k for q, k in zip(meta.q_lens, meta.kv_lens))
-        b, max_q, max_k = meta.num_requests, max(meta.q_lens), max(meta.kv_lens)
-        if b * max_q * max_k > _MAX_PAD_WASTE * work + _PAD_SLACK:
+        if b * max(meta.q_lens) * max(meta.kv_lens) <= _MAX_PAD_WASTE * work + _PAD_SLACK:
+            groups = [list(range(b))]
+        elif meta.mask_mode == "custom":  # only tests build custom masks: keep it simple
             meta.backend_state[self.name] = self._prepare_per_request(meta, dev)
+            return
         else:
-            meta.backend_state[self.name] = self._prepare_padded(meta, dev, b, max_q, max_k)
+            groups = _groups(meta.q_lens, meta.kv_lens)
+        # Host-side offsets: reading the device indptrs would sync.
+        qp = [0, *itertools.accumulate(meta.q_lens)]
+        kp = [0, *itertools.accumulate(meta.kv_lens)]
+        kv_indices = meta.kv_indices.to(dev)
+        meta.backend_state[self.name] = [self._prepare_padded(meta, dev, g, qp, kp, kv_indices)
+                                         for g in groups]
 
     @staticmethod
     def _prepare_per_request(meta: ForwardMetadata, dev: torch.device) -> list[_PerRequest]:
-        # Offsets from the host-side lengths: reading the device indptrs would sync.
         qp = [0, *itertools.accumulate(meta.q_lens)]
         kp = [0, *itertools.accumulate(meta.kv_lens)]
         kv_indices = meta.kv_indices.to(dev)
@@ -93,53 +124,59 @@ class TorchAttentionBackend(AttentionBackend):
         ]
 
     @staticmethod
-    def _prepare_padded(
-        meta: ForwardMetadata, dev: torch.device, b: int, max_q: int, max_k: int
-    ) -> _Padded:
-        kv_indices = meta.kv_indices.to(dev)
-        uniform_q = all(q == max_q for q in meta.q_lens)
-        uniform_k = all(k == max_k for k in meta.kv_lens)
+    def _prepare_padded(meta: ForwardMetadata, dev: torch.device, reqs: list[int],
+                        qp: list[int], kp: list[int], kv_indices: torch.Tensor) -> _Padded:
+        """One padded call over the requests `reqs` (qp / kp: the batch's host offsets)."""
+        q_lens = [meta.q_lens[r] for r in reqs]
+        kv_lens = [meta.kv_lens[r] for r in reqs]
+        b, max_q, max_k = len(reqs), max(q_lens), max(kv_lens)
+        whole = reqs == list(range(meta.num_requests))  # the batch, in its order
+        dest = None if whole else upload(
+            [t for r in reqs for t in range(qp[r], qp[r + 1])], torch.int64, dev)
+        uniform_q = all(q == max_q for q in q_lens)
+        uniform_k = all(k == max_k for k in kv_lens)
         # Every query row sees all its request's keys: no mask beyond key padding.
         shared = meta.mask_mode == "none" or (meta.mask_mode == "causal" and max_q == 1)
-        if uniform_q and uniform_k and (shared or (meta.mask_mode == "causal"
-                                                   and max_q == max_k)):
+        if whole and uniform_q and uniform_k and (
+                shared or (meta.mask_mode == "causal" and max_q == max_k)):
             # Nothing to pad or mask by hand (decode at equal lengths, one request, a fresh
             # prefill): the rows as they are and at most SDPA's built-in causal mask.
-            return _Padded(kv_indices, max_k, None, not shared, shared, None, None, None)
+            return _Padded(None, kv_indices, max_k, None, not shared, shared, None, None, None)
 
-        q_lens = torch.tensor(meta.q_lens, device=dev)
-        kv_lens = torch.tensor(meta.kv_lens, device=dev)
-        q_ptr, kv_ptr = meta.q_indptr.to(dev), meta.kv_indptr.to(dev)
+        lens = upload([q_lens, kv_lens, [kp[r] for r in reqs]], torch.int64, dev)
+        q_len_t, kv_len_t, kv_start = lens.unbind(0)  # [B] each
+        q_ptr = upload([0, *itertools.accumulate(q_lens)], torch.int64, dev)  # group-local
         qi = torch.arange(max_q, device=dev)
         kj = torch.arange(max_k, device=dev)
-        q_ok = qi[None, :] < q_lens[:, None]  # [B, maxQ]
-        k_ok = kj[None, :] < kv_lens[:, None]  # [B, maxK]
-        flat_k = (kv_ptr[:-1, None] + kj[None, :]).clamp(max=max(kv_indices.numel() - 1, 0))
+        q_ok = qi[None, :] < q_len_t[:, None]  # [B, maxQ]
+        k_ok = kj[None, :] < kv_len_t[:, None]  # [B, maxK]
+        flat_k = (kv_start[:, None] + kj[None, :]).clamp(max=max(kv_indices.numel() - 1, 0))
         kv_idx = torch.where(k_ok, kv_indices[flat_k], 0).reshape(-1)
         row_ok = None
         if shared:
             # Key padding only: rows that are query padding are dropped by flat_pos anyway.
-            mask = k_ok[:, None, None, :]  # [B, 1, 1, maxK]
+            mask = None if uniform_k else k_ok[:, None, None, :]  # [B, 1, 1, maxK]
         else:
             mask = q_ok[:, :, None] & k_ok[:, None, :]  # [B, maxQ, maxK]
             if meta.mask_mode == "causal":
-                prefix = (kv_lens - q_lens)[:, None, None]
+                prefix = (kv_len_t - q_len_t)[:, None, None]
                 mask &= kj[None, None, :] <= prefix + qi[None, :, None]
-            else:  # custom
+            else:  # custom (a single group: the whole batch)
                 custom = torch.zeros_like(mask)
-                for r in range(b):
-                    m = _request_mask(meta, r, dev)
-                    custom[r, : meta.q_lens[r], : meta.kv_lens[r]] = m
+                for i, r in enumerate(reqs):
+                    custom[i, : q_lens[i], : kv_lens[i]] = _request_mask(meta, r, dev)
                 mask &= custom
                 # Only a custom mask can leave a real query row with no key (SDPA -> NaN).
                 row_ok = mask.any(-1)[:, None, :, None]
             mask = mask[:, None]
         if uniform_q:
-            return _Padded(kv_idx, max_k, mask, False, shared, None, row_ok, None)
+            return _Padded(dest, kv_idx, max_k, mask, False, shared, None, row_ok, None)
         tok = torch.where(q_ok, q_ptr[:-1, None] + qi[None, :], 0)
-        batch_of_tok = torch.repeat_interleave(torch.arange(b, device=dev), q_lens)
-        pos_in_req = torch.arange(meta.num_tokens, device=dev) - q_ptr[batch_of_tok]
-        return _Padded(kv_idx, max_k, mask, False, shared, tok, row_ok,
+        n_tok = sum(q_lens)
+        batch_of_tok = torch.repeat_interleave(torch.arange(b, device=dev), q_len_t,
+                                               output_size=n_tok)
+        pos_in_req = torch.arange(n_tok, device=dev) - q_ptr[batch_of_tok]
+        return _Padded(dest, kv_idx, max_k, mask, False, shared, tok, row_ok,
                        batch_of_tok * max_q + pos_in_req)
 
     def forward(self, q, k, v, k_cache, v_cache, meta, sm_scale):
@@ -148,22 +185,40 @@ class TorchAttentionBackend(AttentionBackend):
         state = self._prepared(meta)
         store_kv_torch(k_cache, v_cache, k, v, meta.out_rows,
                        rows_valid=meta.backend_state[self.name + ".rows_valid"])
+        if isinstance(state[0], _PerRequest):
+            return self._per_request(q, k_cache, v_cache, state, meta.mask_mode, sm_scale)
+        if state[0].dest is None:  # one group: the whole batch in order
+            return self._padded(q, k_cache, v_cache, state[0], sm_scale)
+        out = q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]))
+        for group in state:
+            out.index_copy_(0, group.dest, self._padded(q.index_select(0, group.dest),
+                                                        k_cache, v_cache, group, sm_scale))
+        return out
+
+    @staticmethod
+    def _per_request(q, k_cache, v_cache, state: list[_PerRequest], mask_mode: str,
+                     sm_scale: float) -> torch.Tensor:
         gqa = q.shape[1] != k_cache.shape[1]
-        # index_select, not k_cache[rows]: several times faster for row gathers on CPU.
-        if isinstance(state, list):
-            out = q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]))
-            for r in state:
-                qr = q[r.q_start : r.q_end].transpose(0, 1)  # [Hq, q_len, D]
-                kr = k_cache.index_select(0, r.rows).transpose(0, 1).to(q.dtype)
-                vr = v_cache.index_select(0, r.rows).transpose(0, 1).to(q.dtype)
-                o = F.scaled_dot_product_attention(
-                    qr, kr, vr, attn_mask=r.mask, scale=sm_scale, enable_gqa=gqa
-                )  # [Hq, q_len, Dv]
-                if meta.mask_mode == "custom":  # only a custom mask can empty a row
-                    o = torch.where(r.mask.any(-1)[None, :, None], o, 0.0)
-                out[r.q_start : r.q_end] = o.transpose(0, 1)
-            return out
+        out = q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]))
+        for r in state:
+            qr = q[r.q_start : r.q_end].transpose(0, 1)  # [Hq, q_len, D]
+            # index_select, not k_cache[rows]: several times faster for row gathers on CPU.
+            kr = k_cache.index_select(0, r.rows).transpose(0, 1).to(q.dtype)
+            vr = v_cache.index_select(0, r.rows).transpose(0, 1).to(q.dtype)
+            o = F.scaled_dot_product_attention(
+                qr, kr, vr, attn_mask=r.mask, scale=sm_scale, enable_gqa=gqa
+            )  # [Hq, q_len, Dv]
+            if mask_mode == "custom":  # only a custom mask can empty a row
+                o = torch.where(r.mask.any(-1)[None, :, None], o, 0.0)
+            out[r.q_start : r.q_end] = o.transpose(0, 1)
+        return out
+
+    @staticmethod
+    def _padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                state: _Padded, sm_scale: float) -> torch.Tensor:
+        """q [T_g, Hq, D]: one group's tokens -> [T_g, Hq, Dv]."""
         hq, hkv, d, dv = q.shape[1], k_cache.shape[1], q.shape[2], v_cache.shape[2]
+        gqa = hq != hkv
         b, max_k = state.kv_idx.shape[0] // state.max_k, state.max_k
         kp = k_cache.index_select(0, state.kv_idx).view(b, max_k, hkv, d)
         vp = v_cache.index_select(0, state.kv_idx).view(b, max_k, hkv, dv)

@@ -84,12 +84,35 @@ def test_backend_empty_batch(backend_name):
     assert out.shape == (0, 4, 32)
 
 
-def test_torch_backend_per_request_path():
-    # One long request next to short ones makes padding wasteful -> per-request loop.
-    prefix, q_lens = [0, 3, 2, 5, 9, 1], [200, 1, 1, 1, 1, 2]
-    meta, data = make_batch(prefix, q_lens, 16, 4, 2, 64, 64, torch.float32, 7)
+@pytest.mark.parametrize("case", [
+    # one long prefill next to decodes; 9-row verify blocks among 1-row ones at spread
+    # contexts (GQA); a mixed step in bf16
+    ([0, 3, 2, 5, 9, 1], [200, 1, 1, 1, 1, 2], 4, 2, torch.float32),
+    ([40, 7, 300, 12, 150, 3, 90, 260], [1, 9, 1, 9, 4, 1, 9, 1], 8, 2, torch.float32),
+    ([500, 3, 64, 64], [1, 1, 9, 128], 4, 1, torch.bfloat16),
+], ids=["prefill+decodes", "verify-widths", "mixed-bf16"])
+def test_torch_backend_groups_wasteful_batches(case):
+    # Padding everything into one call would multiply the work: the backend pads requests
+    # in groups of similar (q_len, kv_len) instead, each one SDPA call.
+    prefix, q_lens, hq, hkv, dtype = case
+    meta, data = make_batch(prefix, q_lens, 16, hq, hkv, 64, 64, dtype, 7)
     out, _, _ = _run("torch", meta, data, 0.125)
-    assert isinstance(meta.backend_state["torch"], list)
+    groups = meta.backend_state["torch"]
+    assert 1 < len(groups) < len(q_lens)
+    assert sorted(t for g in groups for t in g.dest.tolist()) == list(range(meta.num_tokens))
+    ref, _, _ = _reference(meta, data, 0.125)
+    torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+
+
+def test_torch_backend_per_request_path_for_custom_masks():
+    # A wasteful batch with a custom mask loops per request.
+    prefix, q_lens = [0, 3, 2, 5, 9, 1], [200, 1, 1, 1, 1, 2]
+    gen = torch.Generator().manual_seed(1)
+    masks = [torch.rand(q, p + q, generator=gen) < 0.7 for p, q in zip(prefix, q_lens)]
+    meta, data = make_batch(prefix, q_lens, 16, 4, 2, 64, 64, torch.float32, 7, "custom",
+                            masks)
+    out, _, _ = _run("torch", meta, data, 0.125)
+    assert type(meta.backend_state["torch"][0]).__name__ == "_PerRequest"
     ref, _, _ = _reference(meta, data, 0.125)
     torch.testing.assert_close(out.float(), ref, **TOL[torch.float32])
 
