@@ -103,7 +103,7 @@ class Engine:
         self.policy = None
         self._draft_s = 0.0
         self._timing = (0, 0)
-        self._last_tokens: tuple[int, int, int] | None = None  # decode, forward, drafted
+        self._last_tokens: tuple[int, int, int, int] | None = None  # decode, forward, drafted, base
 
     # ------------------------------------------------------------------ client API
 
@@ -194,7 +194,8 @@ class Engine:
                 self.commits = committed_tokens(reqs, before)
                 t_end = time.perf_counter()
                 self._timing = (micros(t_end - t0 - self._draft_s), micros(self._draft_s))
-                self._last_tokens = (sum(1 + w for w in widths), tokens, drafted)
+                self._last_tokens = (sum(1 + w for w in widths), tokens, drafted,
+                                     self._base_tokens(plan))
             else:
                 self._idle_forward(flags)
             self.steps += 1
@@ -319,9 +320,9 @@ class Engine:
     def _learn_step(self, flags: Flags) -> None:
         """Refine the policy's curves with the last step's agreed times (every rank alike)."""
         if self.policy is not None and self._last_tokens is not None and flags.forward_us:
-            decode, forward, drafted = self._last_tokens
+            decode, forward, drafted, base = self._last_tokens
             self.policy.record_step(decode, forward, flags.forward_us * 1e-6, drafted,
-                                    flags.draft_us * 1e-6)
+                                    flags.draft_us * 1e-6, base)
         self._last_tokens, self._timing = None, (0, 0)
 
     # -- verify

@@ -61,6 +61,8 @@ POLICIES = ("adaptive", "fixed")
 PROBE_EVERY = 32  # steps without drafting before one probe step (see VerifyPolicy.plan) ...
 PROBE_EVERY_MAX = 512  # ... doubling, up to this, after each probe that did not pay
 IDLE_RECHECK = 4  # while nobody drafts, the same requests are re-planned every 4th step
+FACTOR_RATE = 0.2  # EMA weight of one drafting step in VerifyPolicy.drafting_factor ...
+FACTOR_RANGE = (0.5, 3.0)  # ... whose observations are clipped to this range
 
 
 @dataclass(frozen=True)
@@ -240,6 +242,11 @@ class VerifyPolicy:
         self._drafting = False  # the last step planned drafts
         self._accepted = False  # ... and some draft was accepted since drafting began
         self._idle_keys: list = []  # the requests of the last idle plan
+        self._probes = 0  # probes so far: whose turn the next one is
+        # What a drafting step's verify rows past the base really cost over what the curve
+        # predicts (1: as predicted), learned from past steps only: choices stay lossless.
+        self.drafting_factor = 1.0
+        self._probing = False  # this step's plan is a probe
 
     @property
     def adaptive(self) -> bool:
@@ -248,6 +255,7 @@ class VerifyPolicy:
     def plan(self, keys: Sequence[object], classes: Sequence[str], limits: Sequence[int],
              base_tokens: int) -> list[int]:
         self._survival = {}
+        self._probing = False
         if not self.adaptive or not keys:
             return list(limits)
         if (self._idle % IDLE_RECHECK and self._idle + 1 < self._probe_every
@@ -259,7 +267,7 @@ class VerifyPolicy:
             return [0] * len(limits)
         past = [survival_of(self.tracker.conditional(k, c)[:lim])
                 for k, c, lim in zip(keys, classes, limits)]
-        choice = best_prefix(past, base_tokens, self.curve.step_seconds,
+        choice = best_prefix(past, base_tokens, self._drafting_step(base_tokens),
                              self.draft_curve.step_seconds)
         if sum(choice.lengths) == 0 and any(limits):
             if self._drafting:  # drafting stopped: probe less often if none was accepted
@@ -267,11 +275,11 @@ class VerifyPolicy:
                                      else min(2 * self._probe_every, PROBE_EVERY_MAX))
             self._idle += 1
             if self._idle >= self._probe_every:
-                # Probe: every request drafts what it may, so the acceptance and the draft's
-                # cost are measured again whatever the estimates say; one step in
-                # PROBE_EVERY at most, backing off (up to PROBE_EVERY_MAX) while no drafted
-                # round is accepted.
-                choice = fixed_lengths(limits, base_tokens)
+                # Probe: one request (in turn) drafts what it may, so the acceptance and the
+                # draft's cost are measured again whatever the estimates say, at the price
+                # of one request's draft; one step in PROBE_EVERY at most, backing off (up
+                # to PROBE_EVERY_MAX) while no drafted round is accepted.
+                choice = self._probe(limits, base_tokens)
         if sum(choice.lengths) and not self._drafting:
             self._accepted = False
         self._drafting = sum(choice.lengths) > 0
@@ -280,9 +288,20 @@ class VerifyPolicy:
             self._idle_keys = list(keys)
         else:
             self._idle = 0
-        if self.confidence:
-            return list(limits) if sum(choice.lengths) else [0] * len(limits)
+        if self.confidence:  # DSpark: who drafts; choose() cuts their lengths
+            return [lim if n else 0 for lim, n in zip(limits, choice.lengths)] \
+                if self._probing else (list(limits) if sum(choice.lengths) else
+                                       [0] * len(limits))
         return choice.lengths
+
+    def _probe(self, limits: Sequence[int], base_tokens: int) -> Choice:
+        """The next request in turn that may draft drafts all it may; the others none."""
+        drafting = [i for i, n in enumerate(limits) if n > 0]
+        turn = drafting[self._probes % len(drafting)]
+        self._probes += 1
+        self._probing = True
+        return fixed_lengths([n if i == turn else 0 for i, n in enumerate(limits)],
+                             base_tokens)
 
     def choose(self, keys: Sequence[object], classes: Sequence[str], limits: Sequence[int],
                base_tokens: int, conf: torch.Tensor | None = None, drafted: int = 0
@@ -305,8 +324,26 @@ class VerifyPolicy:
         if conf is None:
             return list(limits)  # decided in plan() from past rounds; drafts only cut short
         sunk = self.draft_curve.step_seconds(drafted) if drafted else 0.0
-        return choose_lengths(survival, base_tokens,
-                              lambda n: self.curve.step_seconds(n) + sunk).lengths
+        step = self._drafting_step(base_tokens)
+        return choose_lengths(survival, base_tokens, lambda n: step(n) + sunk).lengths
+
+    def _drafting_step(self, base_tokens: int) -> Callable:
+        """Seconds of a step with n tokens, its rows past the base priced by the learned
+        drafting factor (the base alone is what plain steps measure)."""
+        base = self.curve.step_seconds(base_tokens)
+        return lambda n: base + self.drafting_factor * (self.curve.step_seconds(n) - base)
+
+    def _learn_drafting_factor(self, base_tokens: int, forward_tokens: int,
+                               seconds: float) -> None:
+        """measured / predicted cost of the verify rows past the base, from one drafting
+        step's forward: the profile runs fresh, uniform blocks, while real verify rows attend
+        to long contexts in mixed widths. (The draft forward has its own measured curve.)"""
+        base = self.curve.step_seconds(base_tokens)
+        predicted = self.curve.step_seconds(forward_tokens) - base
+        if forward_tokens <= base_tokens or predicted <= 0:
+            return
+        ratio = min(max((seconds - base) / predicted, FACTOR_RANGE[0]), FACTOR_RANGE[1])
+        self.drafting_factor += FACTOR_RATE * (ratio - self.drafting_factor)
 
     def record(self, key: object, cls: str, verified: int, accepted: int) -> None:
         """One request's round: `verified` drafts verified, `accepted` of them accepted."""
@@ -328,13 +365,21 @@ class VerifyPolicy:
             m.pos_realised[i] += int(accepted > i)
 
     def record_step(self, decode_tokens: int, forward_tokens: int, forward_s: float,
-                    drafted: int, draft_s: float) -> None:
-        """Measured (agreed) times of the last step: refine both curves; age the counts.
+                    drafted: int, draft_s: float, base_tokens: int | None = None) -> None:
+        """Measured (agreed) times of the last step (`base_tokens`: its tokens before any
+        draft): refine both curves and the drafting factor; age the counts.
         Acceptance counts age with drafting steps only: new evidence replaces old, but a
         drafter written off does not drift back to the optimistic prior by itself. Probes
         (plan(), backing off) are what tries it again."""
         self.metrics.verified_tokens[decode_tokens] += 1
-        self.curve.observe(forward_tokens, forward_s)
+        if self.adaptive and base_tokens is not None and drafted:
+            self._learn_drafting_factor(base_tokens, forward_tokens, forward_s)
+        if decode_tokens and not drafted:
+            # The curve prices the plain step every candidate starts from, so it learns from
+            # plain decode steps only: a drafting step's extra rows (long contexts, mixed
+            # widths) are the drafting factor's, and a prefill-only step is no choice of the
+            # policy's (a chunk of n tokens costs less than n requests' rows).
+            self.curve.observe(forward_tokens, forward_s)
         if drafted:
             self.draft_curve.observe(drafted, draft_s)
             self.tracker.tick()
@@ -345,6 +390,7 @@ class VerifyPolicy:
 
     def report(self) -> dict:
         return {"policy": self.mode, **self.metrics.to_dict(),
+                "drafting_factor": round(self.drafting_factor, 4),
                 "cost_curve": self.curve.to_dict(), "draft_cost_curve": self.draft_curve.to_dict()}
 
 

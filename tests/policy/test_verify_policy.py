@@ -4,6 +4,7 @@ full blocks, and an over-confident DSpark head is corrected by its realised acce
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dspark_launch.spec.cost_curve import CostCurve
@@ -92,3 +93,48 @@ def test_a_stall_does_not_stop_speculation_for_good():
         drafted_steps.append(drafted > 0)
     assert all(drafted_steps[:20])
     assert all(drafted_steps[-50:])  # back to drafting every step
+
+
+ROW_S = 0.125  # what a verify row really costs; the profile (make_policy) believes 0.05 s
+
+
+def _true_step_seconds(tokens: int) -> float:
+    """The machine: a plain 4-request step costs 1.15 s as profiled, but each verify row past
+    it 0.125 s (2.5x the profile's: fresh uniform blocks are cheaper than real verify rows)."""
+    return 1.0 + 0.05 * (REQS - 1) + ROW_S * max(0, tokens - REQS)
+
+
+def _closed_loop(policy: VerifyPolicy, steps: int, learn: bool) -> list[int]:
+    """Request r accepts pattern[(step + r) % 10] drafts (no randomness: P(>= j accepted) is
+    0.7, 0.5, 0.3, 0.2, 0.1, 0.1, 0.1 for j = 1..7); step times from _true_step_seconds, the
+    draft's 0.2 s as its curve says. learn=False withholds the base tokens (no factor)."""
+    keys, classes, limits = list(range(REQS)), ["greedy"] * REQS, [LIMIT] * REQS
+    pattern = [3, 0, 1, 4, 0, 2, 7, 1, 0, 2]
+    verified = []
+    for step in range(steps):
+        plan = policy.plan(keys, classes, limits, REQS)
+        drafted = sum(1 for n in plan if n)
+        lengths = policy.choose(keys, classes, plan, REQS, drafted=drafted)
+        for k, n in zip(keys, lengths):
+            policy.record(k, "greedy", n, min(n, pattern[(step + k) % len(pattern)]))
+        tokens = REQS + sum(lengths)
+        policy.record_step(tokens, tokens, _true_step_seconds(tokens), drafted,
+                           policy.draft_curve.step_seconds(drafted) if drafted else 0.0,
+                           REQS if learn else None)
+        verified.append(sum(lengths))
+    return verified
+
+
+def test_drafting_factor_learns_what_verify_rows_really_cost():
+    """Closed form, every request verifying l drafts: tokens 4 * (1 + 0.7 + 0.5 + ...), cost
+    1.15 + 4 * 0.125 * l + 0.2 -> l = 0: 3.48 tok/s, 1: 3.68, 2: 3.74, 3: 3.51, so the best
+    is l = 2 (8 drafts a step). The policy that learns the factor (-> 2.5) settles there; one
+    that trusts the profile's 0.05 s per row verifies l = 3 (12 a step: 5.0 tok/s predicted,
+    3.51 real)."""
+    learned, trusting = make_policy(), make_policy()
+    with_factor = _closed_loop(learned, 300, learn=True)
+    without = _closed_loop(trusting, 300, learn=False)
+    assert learned.drafting_factor == pytest.approx(ROW_S / 0.05, rel=0.02)
+    assert trusting.drafting_factor == 1.0
+    assert set(with_factor[100:]) <= {2 * REQS - 1, 2 * REQS}  # per-request estimates differ
+    assert set(without[100:]) == {3 * REQS}
