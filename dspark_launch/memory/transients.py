@@ -134,9 +134,10 @@ def price_step(s: StepShape) -> Transients:
     mlp_width = gather + 3 * (s.intermediate_size // s.tp_size) + d  # gate|up, act, out
     q_local = max(1, s.q_heads // s.attn_tp_size)
     kv_local = max(1, s.kv_heads // s.attn_tp_size)
-    # qkv, the normed and the rotated q|k, the attention output (4 head-sized tensors);
+    # qkv, the normed and the rotated q|k, the attention output (4 head-sized tensors), plus
+    # the torch backend's per-group copy of q and the output it assembles (2 q-sized ones);
     # the residual stream x, h and their normed copies (4 hidden-sized ones).
-    attn_width = 4 * (q_local + 2 * kv_local) * s.head_dim + 4 * d
+    attn_width = (4 * (q_local + 2 * kv_local) + 2 * q_local) * s.head_dim + 4 * d
     return Transients(
         verify_logits=s.logit_rows * greedy_row,
         sampler=s.logit_rows * (row - greedy_row),

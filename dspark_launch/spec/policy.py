@@ -246,6 +246,7 @@ class VerifyPolicy:
         # What a drafting step's verify rows past the base really cost over what the curve
         # predicts (1: as predicted), learned from past steps only: choices stay lossless.
         self.drafting_factor = 1.0
+        self.plain_curve = CostCurve(list(curve.tokens), list(curve.seconds))
         self._probing = False  # this step's plan is a probe
 
     @property
@@ -330,19 +331,25 @@ class VerifyPolicy:
     def _drafting_step(self, base_tokens: int) -> Callable:
         """Seconds of a step with n tokens, its rows past the base priced by the learned
         drafting factor (the base alone is what plain steps measure)."""
-        base = self.curve.step_seconds(base_tokens)
-        return lambda n: base + self.drafting_factor * (self.curve.step_seconds(n) - base)
+        base, plain = self.curve.step_seconds(base_tokens), self._plain_seconds(base_tokens)
+        return lambda n: plain + self.drafting_factor * (self.curve.step_seconds(n) - base)
+
+    def _plain_seconds(self, tokens: int) -> float:
+        """A plain step of `tokens`: what plain steps measured, once some ran (a drafter that
+        always pays never runs one: then the curve every step refines)."""
+        curve = self.plain_curve if sum(self.plain_curve.observations) else self.curve
+        return curve.step_seconds(tokens)
 
     def _learn_drafting_factor(self, base_tokens: int, forward_tokens: int,
                                seconds: float) -> None:
         """measured / predicted cost of the verify rows past the base, from one drafting
         step's forward: the profile runs fresh, uniform blocks, while real verify rows attend
         to long contexts in mixed widths. (The draft forward has its own measured curve.)"""
-        base = self.curve.step_seconds(base_tokens)
-        predicted = self.curve.step_seconds(forward_tokens) - base
+        predicted = self.curve.step_seconds(forward_tokens) - self.curve.step_seconds(base_tokens)
         if forward_tokens <= base_tokens or predicted <= 0:
             return
-        ratio = min(max((seconds - base) / predicted, FACTOR_RANGE[0]), FACTOR_RANGE[1])
+        measured = seconds - self._plain_seconds(base_tokens)
+        ratio = min(max(measured / predicted, FACTOR_RANGE[0]), FACTOR_RANGE[1])
         self.drafting_factor += FACTOR_RATE * (ratio - self.drafting_factor)
 
     def record(self, key: object, cls: str, verified: int, accepted: int) -> None:
@@ -374,12 +381,15 @@ class VerifyPolicy:
         self.metrics.verified_tokens[decode_tokens] += 1
         if self.adaptive and base_tokens is not None and drafted:
             self._learn_drafting_factor(base_tokens, forward_tokens, forward_s)
-        if decode_tokens and not drafted:
-            # The curve prices the plain step every candidate starts from, so it learns from
-            # plain decode steps only: a drafting step's extra rows (long contexts, mixed
-            # widths) are the drafting factor's, and a prefill-only step is no choice of the
-            # policy's (a chunk of n tokens costs less than n requests' rows).
+        if decode_tokens:
+            # A prefill-only step is no choice of the policy's (and a chunk of n tokens costs
+            # less than n requests' rows). The plain curve prices the step every candidate
+            # starts from, so it learns from plain steps only: a drafting step's extra rows
+            # (long contexts, mixed widths) would pull its overhead up and over-price plain
+            # decoding; those rows are the drafting factor's.
             self.curve.observe(forward_tokens, forward_s)
+            if not drafted:
+                self.plain_curve.observe(forward_tokens, forward_s)
         if drafted:
             self.draft_curve.observe(drafted, draft_s)
             self.tracker.tick()

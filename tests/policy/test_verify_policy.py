@@ -107,11 +107,13 @@ def _true_step_seconds(tokens: int) -> float:
 def _closed_loop(policy: VerifyPolicy, steps: int, learn: bool) -> list[int]:
     """Request r accepts pattern[(step + r) % 10] drafts (no randomness: P(>= j accepted) is
     0.7, 0.5, 0.3, 0.2, 0.1, 0.1, 0.1 for j = 1..7); step times from _true_step_seconds, the
-    draft's 0.2 s as its curve says. learn=False withholds the base tokens (no factor)."""
-    keys, classes, limits = list(range(REQS)), ["greedy"] * REQS, [LIMIT] * REQS
+    draft's 0.2 s as its curve says. The first 20 steps may not draft (the plain steps the
+    factor is measured against). learn=False withholds the base tokens (no factor)."""
+    keys, classes = list(range(REQS)), ["greedy"] * REQS
     pattern = [3, 0, 1, 4, 0, 2, 7, 1, 0, 2]
     verified = []
     for step in range(steps):
+        limits = [LIMIT if step >= 20 else 0] * REQS
         plan = policy.plan(keys, classes, limits, REQS)
         drafted = sum(1 for n in plan if n)
         lengths = policy.choose(keys, classes, plan, REQS, drafted=drafted)
