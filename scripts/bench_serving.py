@@ -9,7 +9,9 @@ A world of one (tp1, CPU by default, --threads 1). For each algorithm and batch 
 is built; for each temperature and repeat the prompts run at a concurrency of `batch` (a new
 request is added as soon as one finishes, as vLLM's --max-concurrency does; fixed waves that
 drained to their slowest request penalised speculation, whose requests finish at different
-steps). The engine runs with disable_mixed_chunk, so a step prefills or decodes, never both:
+steps), every algorithm's engine taking turns with the others step by step, so the noise of a
+shared machine lands on all of them alike; each step is timed alone. The engine runs with
+disable_mixed_chunk, so a step prefills or decodes, never both:
 decode tok/s counts only the tokens and wall time of steps that prefilled nothing
 (engine.last_step). Each number is the median of the repeats. Greedy outputs of every
 algorithm are checked against NONE's (lossless). Fewer than --num-prompts prompts in the file
@@ -46,19 +48,18 @@ def load_prompts(path: str, n: int) -> list[str]:
     return out[:n]
 
 
-def run_concurrent(engine, prompts: list[list[int]], batch: int, params: SamplingParams,
-              first_index: int) -> dict:
-    """All prompts through the engine at a concurrency of `batch`: a new request is added as
-    soon as one finishes (the engine prefills it in a step of its own: disable_mixed_chunk)."""
+def drive(engine, prompts: list[list[int]], batch: int, params: SamplingParams,
+          first_index: int):
+    """All prompts through one engine at a concurrency of `batch` (a new request is added as
+    soon as one finishes; the engine prefills it in a step of its own: disable_mixed_chunk).
+    A generator: it yields after every step, so several engines can take turns step by step
+    (run_interleaved); each step's time is its own engine.step() alone. Returns the result."""
     decode_s = prefill_s = 0.0
     decode_tokens = total_tokens = 0
     outputs: dict[int, tuple[int, ...]] = {}
     rounds: list[int] = []
     queue = list(enumerate(prompts))
     queue.reverse()
-    start = time.perf_counter()
-
-    pending = True
 
     def add(n: int) -> None:
         for _ in range(min(n, len(queue))):
@@ -67,6 +68,7 @@ def run_concurrent(engine, prompts: list[list[int]], batch: int, params: Samplin
                                            params))
 
     add(batch)
+    pending = True
     while True:
         if not engine.has_work:  # added requests count once a step has carried them in
             if not pending:
@@ -92,12 +94,37 @@ def run_concurrent(engine, prompts: list[list[int]], batch: int, params: Samplin
         if finished and queue:
             add(len(finished))  # the next step carries them in; they prefill after it
             pending = True
-    wall = time.perf_counter() - start
+        yield
+    wall = decode_s + prefill_s
     return {"decode_tok_s": decode_tokens / decode_s if decode_s else None,
             "decode_s": decode_s, "prefill_s": prefill_s, "decode_tokens": decode_tokens,
             "output_tokens": total_tokens, "tok_s": total_tokens / wall, "wall_s": wall,
             "tau": sum(rounds) / len(rounds) if rounds else None,
             "outputs": [outputs[i] for i in range(len(prompts))]}
+
+
+def run_concurrent(engine, prompts: list[list[int]], batch: int, params: SamplingParams,
+                   first_index: int) -> dict:
+    """drive() one engine to the end."""
+    return run_interleaved({"one": engine}, prompts, batch, params, first_index)["one"]
+
+
+def run_interleaved(engines: dict, prompts: list[list[int]], batch: int,
+                    params: SamplingParams, first_index: int) -> dict[str, dict]:
+    """Every engine runs the same prompts, taking turns one step at a time: a slow spell of
+    a shared machine lands on all of them alike (runs of a few seconds one after another
+    differed by +-15% here). Each engine's requests get their own indices."""
+    gens = {name: drive(engine, prompts, batch, params, first_index + k * len(prompts))
+            for k, (name, engine) in enumerate(engines.items())}
+    results: dict[str, dict] = {}
+    while gens:
+        for name in list(gens):
+            try:
+                next(gens[name])
+            except StopIteration as stop:
+                results[name] = stop.value
+                del gens[name]
+    return {name: results[name] for name in engines}
 
 
 def median_of(runs: list[dict]) -> dict:
@@ -194,9 +221,9 @@ def main() -> None:
                 for temp in args.temperatures:
                     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=temp)
                     group = f"batch {batch}, T={temp:g}"
-                    for algorithm, engine in engines.items():
-                        r = run_concurrent(engine, prompts, batch, params, index)
-                        index += len(prompts)
+                    done = run_interleaved(engines, prompts, batch, params, index)
+                    index += len(engines) * len(prompts)
+                    for algorithm, r in done.items():
                         runs.setdefault((group, algorithm), []).append(r)
                         print(f"repeat {rep} {group} {algorithm:7s} decode "
                               f"{r['decode_tok_s'] or 0:8.1f} tok/s  all {r['tok_s']:8.1f} "

@@ -15,6 +15,7 @@ the same inputs the curve is deterministic.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
@@ -86,8 +87,23 @@ class CostCurve:
 
     def step_seconds(self, n):
         """Predicted seconds of a step with n tokens (a number, or an array of them)."""
+        if isinstance(n, (int, float)):  # the per-step scalar path, without numpy
+            return max(self.overhead + self._forward_scalar(n), MIN_SECONDS)
         out = np.maximum(self.overhead + self.forward_seconds(n), MIN_SECONDS)
         return float(out) if out.ndim == 0 else out
+
+    def _forward_scalar(self, n: float) -> float:
+        """forward_seconds for one number (same interpolation and extrapolation)."""
+        t, s = self.tokens, self.seconds
+        if len(t) == 1:
+            return s[0]
+        if n < t[0]:
+            return s[0] + (n - t[0]) * (s[1] - s[0]) / (t[1] - t[0])
+        if n > t[-1]:
+            return s[-1] + (n - t[-1]) * max(0.0, (s[-1] - s[-2]) / (t[-1] - t[-2]))
+        i = min(bisect.bisect_right(t, n), len(t) - 1)  # t[i-1] <= n <= t[i]
+        w = (n - t[i - 1]) / (t[i] - t[i - 1])
+        return s[i - 1] + w * (s[i] - s[i - 1])
 
     def forward_seconds(self, n) -> np.ndarray:
         """The table alone at n (interpolated / extrapolated), as an array."""
@@ -126,7 +142,7 @@ class CostCurve:
             # than a bounded step (a policy that stops drafting stops measuring the draft).
             predicted = self.step_seconds(n)
             seconds = min(max(seconds, predicted / OUTLIER_RATIO), predicted * OUTLIER_RATIO)
-        forward = float(self.forward_seconds(n))
+        forward = self._forward_scalar(n)
         self.overhead += self.ema * ((seconds - forward) - self.overhead)
         err = seconds - (self.overhead + forward)
         i, w = self._segment(n)

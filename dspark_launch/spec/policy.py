@@ -60,7 +60,7 @@ from dspark_launch.spec.cost_curve import CostCurve, profile_points
 POLICIES = ("adaptive", "fixed")
 PROBE_EVERY = 32  # steps without drafting before one probe step (see VerifyPolicy.plan) ...
 PROBE_EVERY_MAX = 512  # ... doubling, up to this, after each probe that did not pay
-IDLE_RECHECK = 4  # while nobody drafts, the same requests are re-planned every 4th step
+IDLE_RECHECK = 8  # while nobody drafts, the same requests are re-planned every 8th step
 FACTOR_RATE = 0.2  # EMA weight of one drafting step in VerifyPolicy.drafting_factor ...
 FACTOR_RANGE = (0.5, 3.0)  # ... whose observations are clipped to this range
 

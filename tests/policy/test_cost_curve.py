@@ -3,6 +3,7 @@ are closed-form, online refinement moves towards measurements, the disk cache ro
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from dspark_launch.spec.cost_curve import (
@@ -109,3 +110,16 @@ def test_one_stall_moves_the_curve_a_bounded_step():
     c.observe(8, 1000.0)  # a stall: counted as at most OUTLIER_RATIO x the prediction
     # overhead moves by ema x the clipped error, the point by shape_rate x what is left
     assert c.step_seconds(8) <= before * (1 + (OUTLIER_RATIO - 1) * (c.ema + c.shape_rate))
+
+
+@pytest.mark.parametrize("n", [0, 0.5, 1, 1.5, 2, 7, 8, 9, 100, 128, 511.5, 512, 513, 10**4])
+def test_scalar_path_equals_the_array_path(n):
+    """step_seconds(number) skips numpy (it runs several times a step); it must interpolate
+    and extrapolate exactly like the array path, with and without an overhead."""
+    for overhead in (0.0, 1e-3):
+        c = CostCurve([1, 2, 8, 16, 64, 128, 512], [1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 9e-3, 3e-2],
+                      overhead=overhead)
+        assert c.step_seconds(n) == pytest.approx(float(c.step_seconds(np.array(n))),
+                                                  rel=1e-12, abs=1e-15)
+    single = CostCurve([5], [2e-3])
+    assert single.step_seconds(n) == float(single.step_seconds(np.array(n, dtype=float)))
