@@ -10,8 +10,10 @@ one intra-op thread on the same prompts file, alternating checkouts within each 
 machine load shifts both alike. Reported per cell: the median over repeats of output tok/s
 (wall time of the decode loop, loading excluded, prefill included — the one measure both
 versions report) and of the per-request TPOT p50 (time per output token after the first:
-decode only). Extra flags for this checkout only go after `--new-args` (e.g. the verify-length
-policy). Greedy outputs of every run are checked equal to NONE of the same checkout.
+decode only), and from it the decode rate of the batch, batch / TPOT p50 (tokens/s that the
+`batch` concurrent requests receive while decoding: prefill excluded). Extra flags for this
+checkout only go after `--new-args` (e.g. the verify-length policy). Greedy outputs of every
+run are checked equal to NONE of the same checkout. A PNG beside the JSON plots both rates.
 """
 
 from __future__ import annotations
@@ -85,8 +87,9 @@ def main() -> None:
                               flush=True)
     cells = {}
     for key, rs in runs.items():
+        tpot = statistics.median(r["tpot_p50_s"] for r in rs)
         cells[key] = {"tok_s_median": statistics.median(r["tok_s"] for r in rs),
-                      "tpot_p50_s_median": statistics.median(r["tpot_p50_s"] for r in rs),
+                      "tpot_p50_s_median": tpot, "decode_tok_s": args.batch / tpot,
                       "tok_s": [r["tok_s"] for r in rs], "tau": rs[0]["tau"]}
     for name in checkouts:  # greedy outputs must equal NONE's in each checkout
         ref = runs.get(f"{name}/NONE/T=0")
@@ -100,7 +103,36 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(result, indent=2))
     for key, c in cells.items():
         print(f"{key:28s} {c['tok_s_median']:8.1f} tok/s  TPOT p50 "
-              f"{1000 * c['tpot_p50_s_median']:6.2f} ms  tau {c['tau']}")
+              f"{1000 * c['tpot_p50_s_median']:6.2f} ms  decode {c['decode_tok_s']:8.1f} tok/s"
+              f"  tau {c['tau']}")
+    plot(cells, list(checkouts), Path(args.out).with_suffix(".png"))
+
+
+def plot(cells: dict, names: list[str], path: Path) -> None:
+    """Bars per (algorithm, temperature): each checkout's decode rate and overall tok/s."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({key.split("/", 1)[1] for key in cells})  # "DSPARK/T=1"
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    width = 0.8 / len(names)
+    for ax, field, label in ((axes[0], "decode_tok_s", "decode tok/s (batch / TPOT p50)"),
+                             (axes[1], "tok_s_median", "output tok/s (prefill included)")):
+        for i, name in enumerate(names):
+            ys = [cells.get(f"{name}/{g}", {}).get(field, 0) for g in groups]
+            ax.bar([j + i * width for j in range(len(groups))], ys, width, label=name)
+        ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(groups))])
+        ax.set_xticklabels(groups, fontsize=8)
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.suptitle("this checkout against the baseline (median of repeats)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

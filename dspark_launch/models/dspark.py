@@ -13,13 +13,11 @@ and the engine embeds and computes U_k with the TARGET's (vocab-parallel) module
 llama.cpp and tokenspeed do. That saves 2*V*d per rank.
 
 The Markov head is walked one slot at a time through `markov_state` / `markov_step` (the
-rnn head carries a state across the slots of one block); `sample_block` is the plain loop
-over them.
+rnn head carries a state across the slots of one block); the engine's walk, vectorised across
+requests, is spec/dspark_sampler.walk_block.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -28,8 +26,6 @@ from torch import nn
 from .dflash import DFlashDraft
 from .draft_config import DraftConfig
 from .layers import ColumnParallelLinear, new_param
-
-GREEDY_BELOW = 1e-5  # temperatures below this are greedy (argmax, one-hot q)
 
 
 def _replicated_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
@@ -172,49 +168,3 @@ class DSparkDraft(DFlashDraft):
             assert self.markov_head is not None
             x = torch.cat([x, self.markov_head.embed(prev).float()], dim=-1)  # [N, d+r]
         return self.confidence_head(x)
-
-    @torch.no_grad()
-    def sample_block(self, base_logits: torch.Tensor, hidden: torch.Tensor,
-                     anchors: torch.Tensor, temperature: float | torch.Tensor,
-                     generators: Sequence[torch.Generator | None] | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Left-to-right block sampling through the Markov head.
-
-        base_logits [R, B, V] fp32 (target lm_head on the final-normed block outputs),
-        hidden [R, B, d], anchors [R] int64, temperature scalar or [R], generators one per
-        request (or None) -> tokens [R, B] int64, q_probs [R, B, V] fp32 (the corrected
-        distribution each token was drawn from; one-hot when greedy), confidences [R, B].
-        """
-        r_count, block, vocab = base_logits.shape
-        device = base_logits.device
-        temps = torch.as_tensor(temperature, dtype=torch.float32, device=device)
-        temps = temps.expand(r_count)  # [R]
-        tokens = torch.empty((r_count, block), dtype=torch.int64, device=device)
-        q_probs = torch.empty((r_count, block, vocab), dtype=torch.float32, device=device)
-        conf = torch.empty((r_count, block), dtype=torch.float32, device=device)
-        prev = anchors.to(device=device, dtype=torch.int64)  # x_{-1} = the anchor
-        state = self.markov_state(r_count, device)  # reset every block
-        for k in range(block):
-            h_k = hidden[:, k]  # [R, d]
-            bias, state = self.markov_step(prev, h_k, state)  # [R, V]
-            logits = base_logits[:, k].float() + bias
-            conf[:, k] = self.confidence(h_k, prev)
-            tokens[:, k], q_probs[:, k] = _draw(logits, temps, generators)
-            prev = tokens[:, k]  # the token actually drafted seeds the next slot
-        return tokens, q_probs, conf
-
-
-def _draw(logits: torch.Tensor, temps: torch.Tensor,
-          generators: Sequence[torch.Generator | None] | None
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [R, V] fp32, temps [R] -> token [R], q [R, V]: argmax/one-hot when greedy."""
-    greedy = temps < GREEDY_BELOW  # [R]
-    scale = torch.where(greedy, torch.ones_like(temps), temps)
-    probs = torch.softmax(logits / scale[:, None], dim=-1)  # [R, V]
-    token = logits.argmax(dim=-1)  # ties -> lowest id, like the target's greedy
-    for row in torch.nonzero(~greedy).flatten().tolist():
-        gen = generators[row] if generators is not None else None
-        # Per-request generators live on the CPU (same draws at any topology/device).
-        token[row] = torch.multinomial(probs[row].cpu(), 1, generator=gen)[0].to(token.device)
-    one_hot = F.one_hot(token, logits.shape[-1]).to(probs.dtype)
-    return token, torch.where(greedy[:, None], one_hot, probs)

@@ -117,3 +117,43 @@ def run_draft(draft, features: Sequence[torch.Tensor], blocks: Sequence[torch.Te
                           [block] * len(features), mask_mode="none")
     return draft.forward_block(torch.cat(list(blocks)), meta, make_backend("torch", "cpu"),
                                pool)
+
+
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy (argmax, one-hot q)
+
+
+@torch.no_grad()
+def sample_block(draft, base_logits: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor,
+                 temperature: float | torch.Tensor,
+                 generators: Sequence[torch.Generator | None] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The plain left-to-right walk through a DSparkDraft's public step API (markov_state /
+    markov_step / confidence), one per-request CPU generator each: an independent check of the
+    engine's vectorised walk (spec/dspark_sampler.walk_block).
+
+    base_logits [R, B, V] fp32 (target lm_head on the final-normed block outputs), hidden
+    [R, B, d], anchors [R] int64, temperature scalar or [R] -> tokens [R, B] int64, q [R, B, V]
+    fp32 (the corrected distribution each token was drawn from; one-hot when greedy), conf."""
+    r_count, block, vocab = base_logits.shape
+    temps = torch.as_tensor(temperature, dtype=torch.float32).expand(r_count)  # [R]
+    tokens = torch.empty((r_count, block), dtype=torch.int64)
+    q_probs = torch.empty((r_count, block, vocab), dtype=torch.float32)
+    conf = torch.empty((r_count, block), dtype=torch.float32)
+    prev = anchors.to(torch.int64)  # x_{-1} = the anchor
+    state = draft.markov_state(r_count, "cpu")  # reset every block
+    for k in range(block):
+        h_k = hidden[:, k]  # [R, d]
+        bias, state = draft.markov_step(prev, h_k, state)  # [R, V]
+        logits = base_logits[:, k].float() + bias
+        conf[:, k] = draft.confidence(h_k, prev)
+        greedy = temps < GREEDY_BELOW
+        scale = torch.where(greedy, torch.ones_like(temps), temps)
+        probs = torch.softmax(logits / scale[:, None], dim=-1)  # [R, V]
+        token = logits.argmax(dim=-1)  # ties -> lowest id, like the target's greedy
+        for row in torch.nonzero(~greedy).flatten().tolist():
+            gen = generators[row] if generators is not None else None
+            token[row] = torch.multinomial(probs[row], 1, generator=gen)[0]
+        one_hot = F.one_hot(token, vocab).to(probs.dtype)
+        tokens[:, k], q_probs[:, k] = token, torch.where(greedy[:, None], one_hot, probs)
+        prev = tokens[:, k]  # the token actually drafted seeds the next slot
+    return tokens, q_probs, conf

@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from _draft_reference import ref_block, run_draft
+from _draft_reference import ref_block, run_draft, sample_block
 from draft_checkpoints import tiny_target_config, write_draft
 from safetensors.torch import load_file
 
@@ -109,7 +109,7 @@ def test_greedy_block_logits_match_reference(tmp_path, head_type):
     if head_type == "gated":
         assert sd["markov_head.gate_proj.bias"].abs().min() > 0  # a real, non-zero bias
     anchors = torch.tensor([5, 17, 250, 0])
-    tokens, q, _ = draft.sample_block(base, h, anchors, 0.0)
+    tokens, q, _ = sample_block(draft, base, h, anchors, 0.0)
     ours = _our_logits(draft, base, h, anchors, tokens)
     for r in range(len(CTX_LENS)):
         ref_tokens, ref_logits = ref_greedy(sd, raw, ref_base[r], ref_h[r], int(anchors[r]))
@@ -127,7 +127,7 @@ def test_sampled_block_distribution_matches_reference(tmp_path, head_type):
     draft, raw, sd, (h, base), (ref_h, ref_base) = _case(tmp_path, head_type, seed=4)
     anchors = torch.tensor([1, 2, 3, 4])
     gens = [torch.Generator().manual_seed(40 + r) for r in range(4)]
-    tokens, q, _ = draft.sample_block(base, h, anchors, 0.8, gens)
+    tokens, q, _ = sample_block(draft, base, h, anchors, 0.8, gens)
     for r in range(len(CTX_LENS)):
         prevs = [int(anchors[r]), *tokens[r, :-1].tolist()]
         ref_logits = ref_markov_logits(sd, raw, ref_base[r], ref_h[r], prevs)
@@ -160,8 +160,8 @@ def test_rnn_state_carries_within_a_block_and_resets_between_blocks(tmp_path):
     assert (b_zero - b_s1).abs().max() > 1e-3
     # sample_block starts every block from s = 0: the same inputs give the same block.
     anchors = torch.tensor([5, 6, 7, 8])
-    first = draft.sample_block(base, h, anchors, 0.0)[0]
-    assert torch.equal(draft.sample_block(base, h, anchors, 0.0)[0], first)
+    first = sample_block(draft, base, h, anchors, 0.0)[0]
+    assert torch.equal(sample_block(draft, base, h, anchors, 0.0)[0], first)
 
 
 @pytest.mark.parametrize("head_type,rank", [("vanilla", R), ("gated", R), ("rnn", R),

