@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from _draft_reference import ref_block, ref_sample_greedy, rms, rope, run_draft
+from _draft_reference import ref_block, ref_sample_greedy, rms, rope, run_draft, sample_block
 from draft_checkpoints import tiny_target_config, write_draft
 from safetensors.torch import load_file
 
@@ -64,7 +64,7 @@ def test_dspark_greedy_block_matches_reference(tmp_path):
     # Base logits through "the target's" LM head (here the checkpoint's frozen copy).
     base = (hidden @ sd["lm_head.weight"].T).float()  # [R, B, V]
     anchors = torch.tensor([5, 17, 250, 0])
-    tokens, q, conf = draft.sample_block(base, hidden, anchors, 0.0)
+    tokens, q, conf = sample_block(draft, base, hidden, anchors, 0.0)
     for r in range(len(CTX_LENS)):
         ref_tokens, ref_conf = ref_sample_greedy(sd, raw, base[r], hidden[r], int(anchors[r]))
         assert tokens[r].tolist() == ref_tokens
