@@ -9,7 +9,7 @@ A world of one (tp1, CPU by default, --threads 1). For each algorithm and batch 
 is built; for each temperature and repeat the prompts run at a concurrency of `batch` (a new
 request is added as soon as one finishes, as vLLM's --max-concurrency does; fixed waves that
 drained to their slowest request penalised speculation, whose requests finish at different
-steps), every algorithm's engine taking turns with the others step by step, so the noise of a
+steps), every algorithm's engine taking turns of 32 steps with the others, so the noise of a
 shared machine lands on all of them alike; each step is timed alone. The engine runs with
 disable_mixed_chunk, so a step prefills or decodes, never both:
 decode tok/s counts only the tokens and wall time of steps that prefilled nothing
@@ -109,18 +109,24 @@ def run_concurrent(engine, prompts: list[list[int]], batch: int, params: Samplin
     return run_interleaved({"one": engine}, prompts, batch, params, first_index)["one"]
 
 
+TURN_STEPS = 32  # steps an engine runs before the next one takes its turn
+
+
 def run_interleaved(engines: dict, prompts: list[list[int]], batch: int,
                     params: SamplingParams, first_index: int) -> dict[str, dict]:
-    """Every engine runs the same prompts, taking turns one step at a time: a slow spell of
+    """Every engine runs the same prompts, taking turns of TURN_STEPS steps: a slow spell of
     a shared machine lands on all of them alike (runs of a few seconds one after another
-    differed by +-15% here). Each engine's requests get their own indices."""
+    differed by +-15% here), while each turn keeps its engine's weights in the CPU caches as
+    a lone engine would (turns of one step made every step read them from memory).
+    Each engine's requests get their own indices."""
     gens = {name: drive(engine, prompts, batch, params, first_index + k * len(prompts))
             for k, (name, engine) in enumerate(engines.items())}
     results: dict[str, dict] = {}
     while gens:
         for name in list(gens):
             try:
-                next(gens[name])
+                for _ in range(TURN_STEPS):
+                    next(gens[name])
             except StopIteration as stop:
                 results[name] = stop.value
                 del gens[name]
