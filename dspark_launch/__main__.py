@@ -137,13 +137,17 @@ def stop(state: ParallelState, err: BaseException) -> int:
 
 def _verdict(err: BaseException) -> str | None:
     """What this rank tells the others in the roll call (None: a failure of its own)."""
-    signum = err.signum if isinstance(err, Interrupted) else received_signal()
-    if signum:
+    if isinstance(err, Interrupted):
+        return signal_verdict(err.signum)
+    if is_collective_failure(err):
+        # What this rank knows is that its collective broke, even if a signal came meanwhile:
+        # torchrun's agent SIGTERMs the survivors of a dead rank, maybe before they notice.
+        # A real stop signal reaches every rank, and their verdicts say so in the roll call.
+        return BROKEN
+    if signum := received_signal():
         return signal_verdict(signum)
     if isinstance(err, ConfigError):
         return config_verdict(str(err))
-    if is_collective_failure(err):
-        return BROKEN
     return None
 
 

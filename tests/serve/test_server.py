@@ -212,6 +212,11 @@ def test_a_client_that_gives_up_on_a_plain_request_frees_its_pages(server):
 
 def test_metrics_and_models(server, client):
     assert client.models.list().data[0].id == NAME
+    # Its own request: under xdist no other test need have run on this server first.
+    client.completions.create(model=NAME, prompt="def f(x):", max_tokens=4, temperature=0)
+    deadline = time.monotonic() + 30  # the counters are updated after the request returns
+    while server.metric("dspark_generation_tokens_total") == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
     text = server.get("/metrics")[1].decode()
     for name in ("dspark_num_requests_running", "dspark_num_requests_waiting",
                  "dspark_prompt_tokens_total", "dspark_generation_tokens_total",
