@@ -101,7 +101,7 @@ class Engine:
         # The verify-length policy (engine/verify_policy.py; None: verify every draft), and
         # what it learns from: the last step's tokens and its (forward, draft) microseconds.
         self.policy = None
-        self._draft_s = 0.0
+        self._draft_s = self._flush_s = 0.0  # this step's draft (and context flush) seconds
         self._timing = (0, 0)
         self._last_tokens: tuple[int, int, int, int] | None = None  # decode, forward, drafted, base
 
@@ -193,7 +193,8 @@ class Engine:
                 inject_divergence(state.rank, self.steps, reqs, before)
                 self.commits = committed_tokens(reqs, before)
                 t_end = time.perf_counter()
-                self._timing = (micros(t_end - t0 - self._draft_s), micros(self._draft_s))
+                forward_s = t_end - t0 - self._draft_s - self._flush_s
+                self._timing = (micros(forward_s), micros(self._draft_s))
                 self._last_tokens = (sum(1 + w for w in widths), tokens, drafted,
                                      self._base_tokens(plan))
             else:
@@ -259,7 +260,7 @@ class Engine:
     def _propose(self, plan: StepPlan) -> tuple[Proposal | None, int]:
         """Drafts for the decode requests, and how many requests drafted. The policy may keep
         some (or all) requests from drafting this step, from past rounds only."""
-        self._draft_s = 0.0
+        self._draft_s = self._flush_s = 0.0
         decode = plan.decode
         if not decode or not self.proposer.max_drafts:
             return None, 0
@@ -276,12 +277,18 @@ class Engine:
         sub = self._reserve_drafts(decode, limits, sub)
         if not sub:
             return None, 0
+        # Context rows deferred by plain steps are owed whether or not anyone drafts: they
+        # are no price of this draft (nor of this step's forward), so the policy never sees
+        # them (each plain step would otherwise look cheap and each drafting one dear).
+        t_flush = time.perf_counter()
+        self.proposer.flush()
+        self._flush_s = time.perf_counter() - t_flush
         reqs = [decode[i] for i in sub]
         proposal = self.proposer.propose(reqs, [limits[i] for i in sub],
                                          self._request_rows(reqs))
         if len(sub) < len(decode):
             proposal = spread(proposal, sub, len(decode))
-        self._draft_s = time.perf_counter() - t0
+        self._draft_s = time.perf_counter() - t0 - self._flush_s
         return proposal, len(sub)
 
     def _reserve_drafts(self, decode: list[Request], limits: list[int], sub: list[int]

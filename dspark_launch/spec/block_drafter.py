@@ -115,7 +115,9 @@ class DSparkProposer(DFlashProposer):
         self.flush()  # the block attends to the whole context
         h = self._block_hidden(reqs)  # [R, B, d]
         anchors = upload([q.anchor for q in reqs], torch.int64, h.device)
-        tokens, q, conf = walk_block(self.draft, self.target.lm_head, h, anchors, rows)
+        # The walk is sequential in the slots: none past the longest verify a request may do.
+        tokens, q, conf = walk_block(self.draft, self.target.lm_head, h, anchors, rows,
+                                     slots=max(limits, default=0))
         kept = confident_length(conf, self.threshold)
         if kept is None:
             return Proposal(tokens, list(limits), q, conf=conf)

@@ -63,6 +63,8 @@ PROBE_EVERY_MAX = 512  # ... doubling, up to this, after each probe that did not
 IDLE_RECHECK = 8  # while nobody drafts, the same requests are re-planned every 8th step
 FACTOR_RATE = 0.2  # EMA weight of one drafting step in VerifyPolicy.drafting_factor ...
 FACTOR_RANGE = (0.5, 3.0)  # ... whose observations are clipped to this range
+WALK_HEADROOM = 2  # DSpark: a request's walk may go this many times past rounds' best length
+DRAFT_SHAPE_RATE = 0.2  # how fast the draft curve's points follow measured draft times
 
 
 @dataclass(frozen=True)
@@ -153,8 +155,11 @@ def draft_curve_guess(curve: CostCurve, block_rows: int, scale: float,
     """Seconds to draft for n requests before any draft was timed: the target forward at the
     block's rows scaled by the draft/target layer ratio (refined online from real draft times)."""
     points = profile_points(max(1, max_requests))
+    # The guess's shape is only a guess (the draft attends to long contexts and walks the
+    # vocabulary per slot), so each point follows what was measured near it quickly: a probe
+    # of one request and a block of 64 must not trade off through the shared overhead alone.
     return CostCurve(points, [scale * curve.step_seconds(n * max(1, block_rows))
-                              for n in points])
+                              for n in points], shape_rate=DRAFT_SHAPE_RATE)
 
 
 class PolicyMetrics:
@@ -217,8 +222,10 @@ class VerifyPolicy:
     """One attn_dp group's verify-length policy, called by the engine every step:
 
     1. plan(): before drafting, from past rounds only — per request the most drafts it may
-       verify (0: do not draft it). DFlash/NGRAM: these are the lengths (best_prefix, which
-       prices the draft forward). DSpark: all or nothing (whether the draft forward pays).
+       verify (0: do not draft it), by best_prefix, which prices the draft forward per
+       request drafted. DFlash/NGRAM: these are the lengths. DSpark: who drafts, and
+       how far its walk goes (WALK_HEADROOM x that; the draft forward still runs the whole
+       block); choose() cuts the lengths from this round's confidences.
     2. choose(): DSpark, after drafting — calibrated confidences, Algorithm 1 (early stop).
     3. record() each request's outcome, record_step() the measured times.
 
@@ -289,10 +296,10 @@ class VerifyPolicy:
             self._idle_keys = list(keys)
         else:
             self._idle = 0
-        if self.confidence:  # DSpark: who drafts; choose() cuts their lengths
-            return [lim if n else 0 for lim, n in zip(limits, choice.lengths)] \
-                if self._probing else (list(limits) if sum(choice.lengths) else
-                                       [0] * len(limits))
+        if self.confidence and not self._probing:
+            # DSpark: the head reads this round and may be surer than the past, so the walk
+            # may go WALK_HEADROOM x as far as past rounds say pays; choose() cuts it.
+            return [min(lim, WALK_HEADROOM * n) for lim, n in zip(limits, choice.lengths)]
         return choice.lengths
 
     def _probe(self, limits: Sequence[int], base_tokens: int) -> Choice:

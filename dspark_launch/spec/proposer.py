@@ -50,6 +50,9 @@ class Proposer:
         sampling parameters, key and the output position of its first draft."""
         return Proposal.from_lists([[] for _ in reqs], rows.keys.device)
 
+    def flush(self) -> None:
+        """Write any draft context that materialize() let wait (model drafters only)."""
+
     def materialize(
         self,
         features: torch.Tensor | None,  # [N, m*d] captured target hidden states

@@ -20,12 +20,15 @@ def make_policy(confidence: bool = False, temperatures=None) -> VerifyPolicy:
     return VerifyPolicy("adaptive", curve, draft, LIMIT, temperatures, confidence)
 
 
-def run(policy: VerifyPolicy, accept, steps: int, conf=None) -> list[int]:
-    """Closed loop; returns the drafts verified per step. accept(verified) -> accepted."""
+def run(policy: VerifyPolicy, accept, steps: int, conf=None, planned=None) -> list[int]:
+    """Closed loop; returns the drafts verified per step. accept(verified) -> accepted.
+    `planned` (a list) collects the drafts plan() let each step draw."""
     keys, classes, limits = list(range(REQS)), ["greedy"] * REQS, [LIMIT] * REQS
     verified_per_step = []
     for _ in range(steps):
         plan = policy.plan(keys, classes, limits, REQS)
+        if planned is not None:
+            planned.append(sum(plan))
         drafted = sum(1 for n in plan if n)
         lengths = policy.choose(keys, classes, plan, REQS,
                                 conf=torch.tensor([conf] * REQS) if conf else None,
@@ -60,8 +63,11 @@ def test_oracle_drafter_verifies_full_blocks():
 
 def test_overconfident_dspark_head_is_corrected():
     policy = make_policy(confidence=True)
-    verified = run(policy, lambda n: 0, 300, conf=[0.99] * LIMIT)
-    assert verified[0] == REQS * LIMIT  # trusts the head at first
+    planned: list[int] = []
+    verified = run(policy, lambda n: 0, 300, conf=[0.99] * LIMIT, planned=planned)
+    # The prior (0.5 per draft) alone would verify 3 drafts per request at this cost; the
+    # walk may go twice as far, and the head's 0.99 is trusted for all of it at first.
+    assert planned[0] == REQS * 6 and verified[0] == planned[0]
     assert sum(verified[150:]) / 150 < 0.1 * REQS
 
 
