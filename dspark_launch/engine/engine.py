@@ -102,8 +102,10 @@ class Engine:
         # what it learns from: the last step's tokens and its (forward, draft) microseconds.
         self.policy = None
         self._draft_s = self._flush_s = 0.0  # this step's draft (and context flush) seconds
+        self._draft_rows = 0  # what this step drafted, in the policy's unit (draft_rows)
         self._timing = (0, 0)
-        self._last_tokens: tuple[int, int, int, int] | None = None  # decode, forward, drafted, base
+        # decode tokens, forward tokens, draft rows, base tokens
+        self._last_tokens: tuple[int, int, int, int] | None = None
 
     # ------------------------------------------------------------------ client API
 
@@ -168,7 +170,7 @@ class Engine:
             report.append(stuck)
         t0 = time.perf_counter()
         proposal, drafted = self._propose(plan)
-        widths = self._widths(plan, proposal, drafted)
+        widths = self._widths(plan, proposal)
         prefill_tokens = sum(n for _, n in plan.prefill)
         tokens = prefill_tokens + sum(1 + w for w in widths)
         self.last_step = StepStats(prefill_tokens, len(plan.decode), tokens, drafted)
@@ -195,7 +197,7 @@ class Engine:
                 t_end = time.perf_counter()
                 forward_s = t_end - t0 - self._draft_s - self._flush_s
                 self._timing = (micros(forward_s), micros(self._draft_s))
-                self._last_tokens = (sum(1 + w for w in widths), tokens, drafted,
+                self._last_tokens = (sum(1 + w for w in widths), tokens, self._draft_rows,
                                      self._base_tokens(plan))
             else:
                 self._idle_forward(flags)
@@ -261,6 +263,7 @@ class Engine:
         """Drafts for the decode requests, and how many requests drafted. The policy may keep
         some (or all) requests from drafting this step, from past rounds only."""
         self._draft_s = self._flush_s = 0.0
+        self._draft_rows = 0
         decode = plan.decode
         if not decode or not self.proposer.max_drafts:
             return None, 0
@@ -284,8 +287,9 @@ class Engine:
         self.proposer.flush()
         self._flush_s = time.perf_counter() - t_flush
         reqs = [decode[i] for i in sub]
-        proposal = self.proposer.propose(reqs, [limits[i] for i in sub],
-                                         self._request_rows(reqs))
+        mine = [limits[i] for i in sub]
+        proposal = self.proposer.propose(reqs, mine, self._request_rows(reqs))
+        self._draft_rows = int(self.proposer.draft_rows(len(sub), max(mine)))
         if len(sub) < len(decode):
             proposal = spread(proposal, sub, len(decode))
         self._draft_s = time.perf_counter() - t0 - self._flush_s
@@ -310,7 +314,7 @@ class Engine:
         """Tokens a step forwards before any draft: prefill chunks and one anchor each."""
         return sum(n for _, n in plan.prefill) + len(plan.decode)
 
-    def _widths(self, plan: StepPlan, proposal: Proposal | None, drafted: int) -> list[int]:
+    def _widths(self, plan: StepPlan, proposal: Proposal | None) -> list[int]:
         decode = plan.decode
         if proposal is None:
             return [0] * len(decode)
@@ -320,15 +324,16 @@ class Engine:
             # width must be host-known, as for the confidence cut.
             chosen = self.policy.choose([r.index for r in decode],
                                         [request_class(r) for r in decode], widths,
-                                        self._base_tokens(plan), proposal.conf, drafted)
+                                        self._base_tokens(plan), proposal.conf,
+                                        self._draft_rows)
             widths = [min(w, c) for w, c in zip(widths, chosen)]
         return widths
 
     def _learn_step(self, flags: Flags) -> None:
         """Refine the policy's curves with the last step's agreed times (every rank alike)."""
         if self.policy is not None and self._last_tokens is not None and flags.forward_us:
-            decode, forward, drafted, base = self._last_tokens
-            self.policy.record_step(decode, forward, flags.forward_us * 1e-6, drafted,
+            decode, forward, draft_rows, base = self._last_tokens
+            self.policy.record_step(decode, forward, flags.forward_us * 1e-6, draft_rows,
                                     flags.draft_us * 1e-6, base)
         self._last_tokens, self._timing = None, (0, 0)
 

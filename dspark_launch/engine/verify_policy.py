@@ -84,15 +84,17 @@ def build_verify_policy(engine, mode: str, profile: str, draft_dir: str | None,
     # A drafter's forward costs about its layer share of the target's over the block rows;
     # NGRAM's host lookups next to nothing. Both are refined from measured draft times.
     scale = draft.config.num_hidden_layers / c.num_hidden_layers if draft is not None else 0.0
-    draft_curve = draft_curve_guess(curve, proposer.block_rows or 1, scale,
-                                    engine.limits.max_running)
+    if mode == "adaptive":
+        proposer.fit_block = True  # a block drafter runs the shortest block the verify needs
+    draft_curve = draft_curve_guess(
+        curve, int(proposer.draft_rows(engine.limits.max_running, proposer.max_drafts)), scale)
     temps = load_calibration(draft_dir) if algorithm == "DSPARK" else None
     if state.rank == 0:
         logger.info("speculative policy %s; cost curve (%s): %s tokens -> %s steps/s%s", mode,
                     source, curve.tokens, [round(1 / s, 1) for s in curve.seconds],
                     f"; STS temperatures from {draft_dir}" if temps else "")
     return VerifyPolicy(mode, curve, draft_curve, proposer.max_drafts, temps,
-                        confidence=algorithm == "DSPARK")
+                        confidence=algorithm == "DSPARK", draft_rows=proposer.draft_rows)
 
 
 def gather_policy_report(engine) -> dict | None:

@@ -19,6 +19,7 @@ verify width is known on the host before any draft exists. DSpark's confidence c
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from dspark_launch.attention import build_metadata, upload
@@ -32,6 +33,7 @@ from dspark_launch.spec.transfer import to_host
 
 class DFlashProposer(Proposer):
     name = "DFLASH"
+    anchor_slots = 1  # slot 0 holds the anchor and proposes nothing
 
     def __init__(self, draft, target, space, pool, backend, block_size: int) -> None:
         self.draft, self.target = draft, target
@@ -52,8 +54,19 @@ class DFlashProposer(Proposer):
     def block_rows(self) -> int:
         return self.block_size
 
-    def _block_hidden(self, reqs: list) -> torch.Tensor:  # -> [R, B, d] final-normed
-        b, device = self.block_size, self.target.device
+    def block_for(self, longest):
+        """Block rows a draft whose longest verify is `longest` drafts runs: the trained block,
+        or with fit_block the shortest that holds `longest` (a draft forward costs its rows;
+        a shorter block's first slots predict almost as well)."""
+        if not self.fit_block:
+            return self.block_size
+        return np.minimum(self.block_size, np.maximum(1, longest + self.anchor_slots))
+
+    def draft_rows(self, requests, longest):
+        return requests * self.block_for(longest)
+
+    def _block_hidden(self, reqs: list, b: int) -> torch.Tensor:  # -> [R, b, d] final-normed
+        device = self.target.device
         meta = build_metadata(self.space.req_to_token, [r.slot for r in reqs],
                               [r.kv_len for r in reqs], [b] * len(reqs), "none",
                               device=device)
@@ -64,7 +77,8 @@ class DFlashProposer(Proposer):
 
     def propose(self, reqs: list, limits: list[int], rows: SamplingRows) -> Proposal:
         self.flush()  # the block attends to the whole context
-        h = self._block_hidden(reqs)[:, 1:]  # [R, B-1, d]: slot j predicts position start+j
+        b = int(self.block_for(max(limits)))
+        h = self._block_hidden(reqs, b)[:, 1:]  # [R, b-1, d]: slot j predicts position start+j
         r, k, d = h.shape
         flat = h.reshape(r * k, d)
         if rows.all_greedy:  # argmax over the vocab shards; no distribution is formed
@@ -102,6 +116,7 @@ class DSparkProposer(DFlashProposer):
     Markov head; the confidence head may cut what can be accepted."""
 
     name = "DSPARK"
+    anchor_slots = 0
 
     def __init__(self, *args, confidence_threshold: float = 0.0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -113,11 +128,9 @@ class DSparkProposer(DFlashProposer):
 
     def propose(self, reqs: list, limits: list[int], rows: SamplingRows) -> Proposal:
         self.flush()  # the block attends to the whole context
-        h = self._block_hidden(reqs)  # [R, B, d]
+        h = self._block_hidden(reqs, int(self.block_for(max(limits))))  # [R, b, d]
         anchors = upload([q.anchor for q in reqs], torch.int64, h.device)
-        # The walk is sequential in the slots: none past the longest verify a request may do.
-        tokens, q, conf = walk_block(self.draft, self.target.lm_head, h, anchors, rows,
-                                     slots=max(limits, default=0))
+        tokens, q, conf = walk_block(self.draft, self.target.lm_head, h, anchors, rows)
         kept = confident_length(conf, self.threshold)
         if kept is None:
             return Proposal(tokens, list(limits), q, conf=conf)

@@ -61,6 +61,7 @@ class CostCurve:
     overhead: float = 0.0  # seconds a step adds to the forward, at any n
     ema: float = 0.1  # weight of one online observation in the overhead
     shape_rate: float = 0.01  # ... and in the neighbouring points' residual
+    outlier_ratio: float = OUTLIER_RATIO  # an observation is clipped to this factor off
     observations: list[int] = field(default_factory=list)  # per point, for reports
 
     def __post_init__(self) -> None:
@@ -141,7 +142,8 @@ class CostCurve:
             # A shared machine stalls now and then: one stall must not move the curve by more
             # than a bounded step (a policy that stops drafting stops measuring the draft).
             predicted = self.step_seconds(n)
-            seconds = min(max(seconds, predicted / OUTLIER_RATIO), predicted * OUTLIER_RATIO)
+            seconds = min(max(seconds, predicted / self.outlier_ratio),
+                          predicted * self.outlier_ratio)
         forward = self._forward_scalar(n)
         self.overhead += self.ema * ((seconds - forward) - self.overhead)
         err = seconds - (self.overhead + forward)

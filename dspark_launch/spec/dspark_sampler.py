@@ -23,24 +23,21 @@ def walk_block(
     hidden: torch.Tensor,  # [R, B, d] final-normed block outputs
     anchors: torch.Tensor,  # [R] int64
     rows: SamplingRows,  # per request; positions = output position of slot 0
-    slots: int | None = None,  # walk only slots 0..slots-1 (None: all B); the rest are padding
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:  # tokens [R, B], q, conf [R, B]
     r, b, d = hidden.shape
-    n = b if slots is None else min(b, slots)
-    hidden = hidden[:, :n]  # slot k's hidden reads the whole block; its walk needs no later slot
-    flat = hidden.reshape(r * n, d)
+    flat = hidden.reshape(r * b, d)
     if rows.all_greedy:
-        base = lm_head.local_logits(flat)[:, :lm_head.owned].reshape(r, n, -1)  # [R, n, V_l]
+        base = lm_head.local_logits(flat)[:, :lm_head.owned].reshape(r, b, -1)  # [R, B, V_l]
         vocab = lm_head.owned_ids
     else:
-        base = lm_head.logits(flat).reshape(r, n, -1)  # [R, n, V]
+        base = lm_head.logits(flat).reshape(r, b, -1)  # [R, B, V]
         vocab = None
-    tokens = torch.zeros((r, b), dtype=torch.int64, device=hidden.device)
-    q = None if rows.all_greedy else torch.zeros((r, b, base.shape[-1]), dtype=torch.float32,
+    tokens = torch.empty((r, b), dtype=torch.int64, device=hidden.device)
+    q = None if rows.all_greedy else torch.empty((r, b, base.shape[-1]), dtype=torch.float32,
                                                  device=hidden.device)
     prev = anchors
     state = draft.markov_state(r, hidden.device)  # reset every block
-    for k in range(n):
+    for k in range(b):
         h_k = hidden[:, k]  # [R, d]
         bias, state = draft.markov_step(prev, h_k, state, vocab)  # [R, V or V_l] fp32
         logits = base[:, k].float() + bias
@@ -51,8 +48,6 @@ def walk_block(
             tokens[:, k] = draw(q[:, k], uniforms(rows.keys, rows.positions + k, DRAFT))
         prev = tokens[:, k]  # the token actually drafted seeds the next slot
     # c_k reads h_k and x_{k-1} only: every slot at once, once the walk has drawn them.
-    prevs = torch.cat([anchors[:, None], tokens[:, :n - 1]], dim=1)  # [R, n]
-    conf = draft.confidence(flat, prevs.reshape(-1)).reshape(r, n)
-    if n < b:  # slots never walked: no draft, so nothing to be confident in
-        conf = torch.cat([conf, conf.new_zeros((r, b - n))], dim=1)
+    prevs = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)  # [R, B]
+    conf = draft.confidence(flat, prevs.reshape(-1)).reshape(r, b)
     return tokens, q, conf

@@ -60,10 +60,16 @@ from dspark_launch.spec.cost_curve import CostCurve, profile_points
 POLICIES = ("adaptive", "fixed")
 PROBE_EVERY = 32  # steps without drafting before one probe step (see VerifyPolicy.plan) ...
 PROBE_EVERY_MAX = 512  # ... doubling, up to this, after each probe that did not pay
+# Drafting steps between plain ones: a plain step now and then (and the first) measures
+# what drafting is compared against; without it, a drafter that looks good would be priced
+# against a plain step nobody timed.
+PLAIN_EVERY = 32
+# The plain curve learns from few steps (one in PLAIN_EVERY where drafting pays): each moves
+# it more, and a stall of the machine less.
+PLAIN_EMA, PLAIN_OUTLIER = 0.3, 1.3
 IDLE_RECHECK = 8  # while nobody drafts, the same requests are re-planned every 8th step
 FACTOR_RATE = 0.2  # EMA weight of one drafting step in VerifyPolicy.drafting_factor ...
 FACTOR_RANGE = (0.5, 3.0)  # ... whose observations are clipped to this range
-WALK_HEADROOM = 2  # DSpark: a request's walk may go this many times past rounds' best length
 DRAFT_SHAPE_RATE = 0.2  # how fast the draft curve's points follow measured draft times
 
 
@@ -131,35 +137,38 @@ def best_prefix(
     survival: Sequence[Sequence[float]],
     base_tokens: int,
     step_seconds: Callable,
-    draft_seconds: Callable,  # seconds to draft for n requests (arrays of n; 0 for n = 0)
+    # seconds to draft for n requests whose longest verify is L drafts (arrays n, L; n >= 1)
+    draft_seconds: Callable,
 ) -> Choice:
     """The best number of admitted drafts when every estimate comes from PAST rounds only
     (DFlash/NGRAM, and which requests DSpark drafts at all): no early stop is needed for
     losslessness here, so every prefix of the walk is priced, and the draft forward's cost
-    (paid for every request that drafts) can make a longer prefix pay where the first
-    candidate alone does not."""
+    (paid for every request that drafts, over a block as long as the longest verify) can
+    make a longer prefix pay where the first candidate alone does not."""
     reqs = len(survival)
     a, r, j = _candidates(survival)
     d = np.arange(len(a) + 1)
     tau = reqs + np.concatenate([[0.0], np.cumsum(a)])
     drafting = np.concatenate([[0], np.cumsum(j == 0)])  # requests with a draft admitted
-    cost = step_seconds(base_tokens + d) + np.where(drafting > 0, draft_seconds(drafting), 0.0)
+    longest = np.concatenate([[0], np.maximum.accumulate(j + 1)]) if len(j) else d  # [N+1]
+    drafts = np.where(drafting > 0, draft_seconds(np.maximum(drafting, 1), longest), 0.0)
+    cost = step_seconds(base_tokens + d) + drafts
     best = int(np.argmax(tau / cost)) if reqs else 0  # first maximum: the shortest prefix
     return Choice(_lengths(reqs, r, j, best), float(tau[best]), base_tokens + best)
 
 
 # ---------------------------------------------------------------------- the per-group policy
 
-def draft_curve_guess(curve: CostCurve, block_rows: int, scale: float,
-                      max_requests: int) -> CostCurve:
-    """Seconds to draft for n requests before any draft was timed: the target forward at the
-    block's rows scaled by the draft/target layer ratio (refined online from real draft times)."""
-    points = profile_points(max(1, max_requests))
+def draft_curve_guess(curve: CostCurve, max_rows: int, scale: float) -> CostCurve:
+    """Seconds to draft n draft rows (Proposer.draft_rows) before any draft was timed: the
+    target forward at n tokens scaled by the draft/target layer ratio (refined online from
+    real draft times)."""
+    points = profile_points(max(1, max_rows))
     # The guess's shape is only a guess (the draft attends to long contexts and walks the
     # vocabulary per slot), so each point follows what was measured near it quickly: a probe
     # of one request and a block of 64 must not trade off through the shared overhead alone.
-    return CostCurve(points, [scale * curve.step_seconds(n * max(1, block_rows))
-                              for n in points], shape_rate=DRAFT_SHAPE_RATE)
+    return CostCurve(points, [scale * curve.step_seconds(n) for n in points],
+                     shape_rate=DRAFT_SHAPE_RATE)
 
 
 class PolicyMetrics:
@@ -170,6 +179,7 @@ class PolicyMetrics:
         self.verified_tokens: Counter[int] = Counter()  # decode tokens in a step's forward
         self.lengths: Counter[int] = Counter()  # drafts verified per request-round
         self.skipped_drafts = 0  # steps whose draft forward the policy skipped
+        self.plain_steps = 0  # ... of which steps kept plain to time plain decoding
         self.rounds = 0
         self.predicted = 0.0  # sum of predicted committed tokens (1 + survival)
         self.realised = 0.0  # sum of accepted drafts + 1
@@ -182,6 +192,7 @@ class PolicyMetrics:
             "verified_tokens_per_step": dict(sorted(self.verified_tokens.items())),
             "chosen_lengths": dict(sorted(self.lengths.items())),
             "skipped_draft_steps": self.skipped_drafts,
+            "plain_steps": self.plain_steps,
             "rounds": self.rounds,
             "predicted_sum": self.predicted, "realised_sum": self.realised,
             "positions": [{"rounds": n, "predicted_sum": p, "realised_sum": a}
@@ -193,13 +204,14 @@ class PolicyMetrics:
 def merge_metrics(parts: list[dict]) -> dict:
     """One report from every attn_dp group's PolicyMetrics.to_dict(): counts add up."""
     out: dict = {"verified_tokens_per_step": Counter(), "chosen_lengths": Counter(),
-                 "skipped_draft_steps": 0, "rounds": 0, "predicted_sum": 0.0,
+                 "skipped_draft_steps": 0, "plain_steps": 0, "rounds": 0, "predicted_sum": 0.0,
                  "realised_sum": 0.0, "positions": []}
     for p in parts:
         for key in ("verified_tokens_per_step", "chosen_lengths"):
             out[key].update({int(k): v for k, v in p[key].items()})
-        for key in ("skipped_draft_steps", "rounds", "predicted_sum", "realised_sum"):
-            out[key] += p[key]
+        for key in ("skipped_draft_steps", "plain_steps", "rounds", "predicted_sum",
+                    "realised_sum"):
+            out[key] += p.get(key, 0)
         for i, pos in enumerate(p["positions"]):
             if i == len(out["positions"]):
                 out["positions"].append({"rounds": 0, "predicted_sum": 0.0, "realised_sum": 0})
@@ -222,10 +234,9 @@ class VerifyPolicy:
     """One attn_dp group's verify-length policy, called by the engine every step:
 
     1. plan(): before drafting, from past rounds only — per request the most drafts it may
-       verify (0: do not draft it), by best_prefix, which prices the draft forward per
-       request drafted. DFlash/NGRAM: these are the lengths. DSpark: who drafts, and
-       how far its walk goes (WALK_HEADROOM x that; the draft forward still runs the whole
-       block); choose() cuts the lengths from this round's confidences.
+       verify (0: do not draft it), by best_prefix, which prices the draft forward by its
+       rows (a block drafter runs the shortest block that holds the longest verify).
+       DFlash/NGRAM: these are the lengths. DSpark: choose() may cut them further.
     2. choose(): DSpark, after drafting — calibrated confidences, Algorithm 1 (early stop).
     3. record() each request's outcome, record_step() the measured times.
 
@@ -233,13 +244,15 @@ class VerifyPolicy:
     choose the same lengths. In "fixed" mode it only predicts (for the calibration report)."""
 
     def __init__(self, mode: str, curve: CostCurve, draft_curve: CostCurve, positions: int,
-                 temperatures: list[float] | None = None, confidence: bool = False) -> None:
+                 temperatures: list[float] | None = None, confidence: bool = False,
+                 draft_rows: Callable = lambda requests, longest: requests) -> None:
         if mode not in POLICIES:
             raise ValueError(f"speculative policy {mode!r}: expected one of {POLICIES}")
         self.mode, self.curve, self.draft_curve = mode, curve, draft_curve
         self.positions = positions
         self.temperatures = temperatures
         self.confidence = confidence
+        self.draft_rows = draft_rows  # (requests, longest verify) -> the draft curve's unit
         self.tracker = AcceptanceTracker(positions)
         self.correction = ConfidenceCorrection(positions)
         self.metrics = PolicyMetrics(positions)
@@ -253,7 +266,9 @@ class VerifyPolicy:
         # What a drafting step's verify rows past the base really cost over what the curve
         # predicts (1: as predicted), learned from past steps only: choices stay lossless.
         self.drafting_factor = 1.0
-        self.plain_curve = CostCurve(list(curve.tokens), list(curve.seconds))
+        self.plain_curve = CostCurve(list(curve.tokens), list(curve.seconds), ema=PLAIN_EMA,
+                                     outlier_ratio=PLAIN_OUTLIER)
+        self._since_plain = PLAIN_EVERY  # drafting steps planned since the last plain one
         self._probing = False  # this step's plan is a probe
 
     @property
@@ -276,7 +291,8 @@ class VerifyPolicy:
         past = [survival_of(self.tracker.conditional(k, c)[:lim])
                 for k, c, lim in zip(keys, classes, limits)]
         choice = best_prefix(past, base_tokens, self._drafting_step(base_tokens),
-                             self.draft_curve.step_seconds)
+                             lambda n, longest: self.draft_curve.step_seconds(
+                                 self.draft_rows(n, longest)))
         if sum(choice.lengths) == 0 and any(limits):
             if self._drafting:  # drafting stopped: probe less often if none was accepted
                 self._probe_every = (PROBE_EVERY if self._accepted
@@ -288,6 +304,13 @@ class VerifyPolicy:
                 # of one request's draft; one step in PROBE_EVERY at most, backing off (up
                 # to PROBE_EVERY_MAX) while no drafted round is accepted.
                 choice = self._probe(limits, base_tokens)
+        if sum(choice.lengths) and self._since_plain >= PLAIN_EVERY:
+            # Plain now, and let drafting resume next step: nothing else changes state.
+            self._since_plain = 0
+            self.metrics.plain_steps += 1
+            self.metrics.skipped_drafts += 1
+            return [0] * len(limits)
+        self._since_plain = self._since_plain + 1 if sum(choice.lengths) else 0
         if sum(choice.lengths) and not self._drafting:
             self._accepted = False
         self._drafting = sum(choice.lengths) > 0
@@ -296,10 +319,6 @@ class VerifyPolicy:
             self._idle_keys = list(keys)
         else:
             self._idle = 0
-        if self.confidence and not self._probing:
-            # DSpark: the head reads this round and may be surer than the past, so the walk
-            # may go WALK_HEADROOM x as far as past rounds say pays; choose() cuts it.
-            return [min(lim, WALK_HEADROOM * n) for lim, n in zip(limits, choice.lengths)]
         return choice.lengths
 
     def _probe(self, limits: Sequence[int], base_tokens: int) -> Choice:
@@ -312,11 +331,11 @@ class VerifyPolicy:
                              base_tokens)
 
     def choose(self, keys: Sequence[object], classes: Sequence[str], limits: Sequence[int],
-               base_tokens: int, conf: torch.Tensor | None = None, drafted: int = 0
+               base_tokens: int, conf: torch.Tensor | None = None, draft_rows: int = 0
                ) -> list[int]:
         """The lengths to verify, after drafting. `conf` [R, K]: DSpark's raw c_{r,1..K}
-        (None for the others, whose estimates are the tracker's); `drafted`: requests drafted
-        (their draft forward is paid already: a constant in every candidate's price)."""
+        (None for the others, whose estimates are the tracker's); `draft_rows`: what was drafted
+        (Proposer.draft_rows; paid already: a constant in every candidate's price)."""
         if conf is not None:
             cal = apply_temperatures(conf, self.temperatures).tolist()  # one device->host copy
             cond = [self.correction.apply(cls, row[:lim])
@@ -331,7 +350,7 @@ class VerifyPolicy:
             return list(limits)
         if conf is None:
             return list(limits)  # decided in plan() from past rounds; drafts only cut short
-        sunk = self.draft_curve.step_seconds(drafted) if drafted else 0.0
+        sunk = self.draft_curve.step_seconds(draft_rows) if draft_rows else 0.0
         step = self._drafting_step(base_tokens)
         return choose_lengths(survival, base_tokens, lambda n: step(n) + sunk).lengths
 
@@ -342,10 +361,9 @@ class VerifyPolicy:
         return lambda n: plain + self.drafting_factor * (self.curve.step_seconds(n) - base)
 
     def _plain_seconds(self, tokens: int) -> float:
-        """A plain step of `tokens`: what plain steps measured, once some ran (a drafter that
-        always pays never runs one: then the curve every step refines)."""
-        curve = self.plain_curve if sum(self.plain_curve.observations) else self.curve
-        return curve.step_seconds(tokens)
+        """A plain step of `tokens`: what plain steps measured (the first step, and one in
+        PLAIN_EVERY, is plain even where drafting pays)."""
+        return self.plain_curve.step_seconds(tokens)
 
     def _learn_drafting_factor(self, base_tokens: int, forward_tokens: int,
                                seconds: float) -> None:
@@ -379,14 +397,14 @@ class VerifyPolicy:
             m.pos_realised[i] += int(accepted > i)
 
     def record_step(self, decode_tokens: int, forward_tokens: int, forward_s: float,
-                    drafted: int, draft_s: float, base_tokens: int | None = None) -> None:
+                    draft_rows: int, draft_s: float, base_tokens: int | None = None) -> None:
         """Measured (agreed) times of the last step (`base_tokens`: its tokens before any
         draft): refine both curves and the drafting factor; age the counts.
         Acceptance counts age with drafting steps only: new evidence replaces old, but a
         drafter written off does not drift back to the optimistic prior by itself. Probes
         (plan(), backing off) are what tries it again."""
         self.metrics.verified_tokens[decode_tokens] += 1
-        if self.adaptive and base_tokens is not None and drafted:
+        if self.adaptive and base_tokens is not None and draft_rows:
             self._learn_drafting_factor(base_tokens, forward_tokens, forward_s)
         if decode_tokens:
             # A prefill-only step is no choice of the policy's (and a chunk of n tokens costs
@@ -395,10 +413,10 @@ class VerifyPolicy:
             # (long contexts, mixed widths) would pull its overhead up and over-price plain
             # decoding; those rows are the drafting factor's.
             self.curve.observe(forward_tokens, forward_s)
-            if not drafted:
+            if not draft_rows:
                 self.plain_curve.observe(forward_tokens, forward_s)
-        if drafted:
-            self.draft_curve.observe(drafted, draft_s)
+        if draft_rows:
+            self.draft_curve.observe(draft_rows, draft_s)
             self.tracker.tick()
             self.correction.tick()
 
@@ -426,6 +444,7 @@ def format_policy(report: dict) -> str:
     return (f"speculative policy {report['policy']}: predicted tau {report['predicted_tau']:.2f}"
             f" vs realised {report['realised_tau']:.2f} over {report['rounds']} rounds; drafts "
             f"verified per round {report['chosen_lengths']}; draft forward skipped in "
-            f"{report['skipped_draft_steps']} steps\n"
+            f"{report['skipped_draft_steps']} steps ({report.get('plain_steps', 0)} of them "
+            f"to time plain decoding)\n"
             f"verified tokens per step {report['verified_tokens_per_step']}\n"
             f"survival per position, predicted/realised: {calib}")

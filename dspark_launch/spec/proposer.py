@@ -35,6 +35,9 @@ class Proposer:
 
     name = "NONE"
     capture_layer_ids: tuple[int, ...] = ()
+    # A block drafter may run a block shorter than its trained one, just long enough for the
+    # step's longest verify (the adaptive policy turns this on; others have no block).
+    fit_block = False
 
     @property
     def max_drafts(self) -> int:
@@ -49,6 +52,12 @@ class Proposer:
         """reqs: decoding requests; limits: most drafts each may verify; rows: per request its
         sampling parameters, key and the output position of its first draft."""
         return Proposal.from_lists([[] for _ in reqs], rows.keys.device)
+
+    def draft_rows(self, requests, longest):
+        """What drafting for `requests` requests costs, in draft rows, when the longest verify
+        among them is `longest` drafts (numbers or numpy arrays alike): the unit of the
+        policy's draft-cost curve. Here (a host lookup per request): one per request."""
+        return requests
 
     def flush(self) -> None:
         """Write any draft context that materialize() let wait (model drafters only)."""

@@ -131,33 +131,3 @@ def test_gated_head(tmp_path):
     want = (gate * e) @ head.markov_w2.weight.T
     torch.testing.assert_close(draft.markov_step(prev, h, None)[0], want)
 
-
-@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-def test_walk_stops_at_slots_and_agrees_with_the_whole_walk(tmp_path, temperature):
-    """The policy caps how far the walk goes (spec/dspark_sampler.walk_block(slots=n)): the
-    walk is left to right, so its first n slots are the whole walk's, draft for draft (same
-    keyed uniforms), and the slots past n are padding with confidence 0 (never verified)."""
-    from dspark_launch.engine.params import SamplingParams
-    from dspark_launch.models.layers.embedding import ParallelLMHead
-    from dspark_launch.spec.dspark_sampler import walk_block
-    from dspark_launch.spec.sampling import SamplingRows
-
-    draft = _dspark(tmp_path, markov_rank=R_RANK, scale=8.0)
-    head = ParallelLMHead(V, D, shards=1, rank=0, group=None, dtype=torch.float32,
-                          device="cpu")
-    torch.nn.init.normal_(head.weight, std=0.5, generator=torch.Generator().manual_seed(1))
-    _, hidden, anchors = _inputs(4, 6)
-    params = [SamplingParams(max_tokens=8, temperature=temperature)] * 4
-    rows = SamplingRows.build(params, [11, 12, 13, 14], [0, 3, 5, 9], "cpu")
-    whole = walk_block(draft, head, hidden, anchors, rows)
-    for n in (1, 3):
-        tokens, q, conf = walk_block(draft, head, hidden, anchors, rows, slots=n)
-        assert torch.equal(tokens[:, :n], whole[0][:, :n])
-        assert torch.equal(tokens[:, n:], torch.zeros_like(tokens[:, n:]))
-        torch.testing.assert_close(conf[:, :n], whole[2][:, :n])
-        assert torch.equal(conf[:, n:], torch.zeros_like(conf[:, n:]))
-        if temperature:
-            torch.testing.assert_close(q[:, :n], whole[1][:, :n])
-    # Not vacuous: the walk really depends on earlier draws (the Markov head) and differs
-    # from row to row.
-    assert len({tuple(t) for t in whole[0].tolist()}) > 1

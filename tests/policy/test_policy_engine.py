@@ -182,8 +182,8 @@ class PeekingPolicy(SteepCost):
         base = build_mod.Engine
 
         class Peeking(base):
-            def _widths(self, plan, proposal, drafted):
-                widths = super()._widths(plan, proposal, drafted)
+            def _widths(self, plan, proposal):
+                widths = super()._widths(plan, proposal)
                 if proposal is None:
                     return widths
                 first = proposal.tokens[:, 0].tolist()

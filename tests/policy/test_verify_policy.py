@@ -8,10 +8,18 @@ import pytest
 import torch
 
 from dspark_launch.spec.cost_curve import CostCurve
-from dspark_launch.spec.policy import VerifyPolicy, merge_metrics
+from dspark_launch.spec.policy import PLAIN_EVERY, VerifyPolicy, merge_metrics
 
 LIMIT = 7
 REQS = 4
+
+
+def drafting(verified: list[int]) -> list[int]:
+    """The steps that drafted: the policy keeps the first step and one in PLAIN_EVERY plain
+    (to time plain decoding) even when drafting pays; asserts there are no more than that."""
+    plain = [v for v in verified if v == 0]
+    assert len(plain) <= len(verified) // PLAIN_EVERY + 1, verified
+    return [v for v in verified if v]
 
 
 def make_policy(confidence: bool = False, temperatures=None) -> VerifyPolicy:
@@ -32,7 +40,7 @@ def run(policy: VerifyPolicy, accept, steps: int, conf=None, planned=None) -> li
         drafted = sum(1 for n in plan if n)
         lengths = policy.choose(keys, classes, plan, REQS,
                                 conf=torch.tensor([conf] * REQS) if conf else None,
-                                drafted=drafted)
+                                draft_rows=drafted)
         assert all(0 <= n <= p for n, p in zip(lengths, plan))
         for k, n in zip(keys, lengths):
             policy.record(k, "greedy", n, accept(n))
@@ -46,7 +54,7 @@ def run(policy: VerifyPolicy, accept, steps: int, conf=None, planned=None) -> li
 def test_always_wrong_drafter_converges_to_plain_decoding():
     policy = make_policy()
     verified = run(policy, lambda n: 0, 400)
-    assert verified[0] > 0  # starts hopeful (prior 0.5)
+    assert verified[0] == 0 and verified[1] > 0  # times plain decoding, then hopeful
     late = verified[200:]
     assert sum(late) / len(late) < 0.1 * REQS  # < 0.1 drafts per request-round
     assert policy.metrics.skipped_drafts > 150  # and the draft forward is skipped
@@ -55,7 +63,7 @@ def test_always_wrong_drafter_converges_to_plain_decoding():
 def test_oracle_drafter_verifies_full_blocks():
     policy = make_policy()
     verified = run(policy, lambda n: n, 100)
-    assert all(v == REQS * LIMIT for v in verified[20:])
+    assert all(v == REQS * LIMIT for v in drafting(verified[20:]))
     report = merge_metrics([policy.metrics.to_dict()])
     assert report["chosen_lengths"][LIMIT] >= 80 * REQS
     assert report["realised_tau"] > 7.0
@@ -65,9 +73,10 @@ def test_overconfident_dspark_head_is_corrected():
     policy = make_policy(confidence=True)
     planned: list[int] = []
     verified = run(policy, lambda n: 0, 300, conf=[0.99] * LIMIT, planned=planned)
-    # The prior (0.5 per draft) alone would verify 3 drafts per request at this cost; the
-    # walk may go twice as far, and the head's 0.99 is trusted for all of it at first.
-    assert planned[0] == REQS * 6 and verified[0] == planned[0]
+    # The prior (0.5 per draft) says 3 drafts per request pay at this cost; the head's 0.99
+    # is trusted for all of them at first.
+    assert planned[0] == 0  # the first step times plain decoding
+    assert planned[1] == REQS * 3 and verified[1] == planned[1]
     assert sum(verified[150:]) / 150 < 0.1 * REQS
 
 
@@ -97,8 +106,8 @@ def test_a_stall_does_not_stop_speculation_for_good():
         policy.record_step(tokens, tokens, policy.curve.step_seconds(tokens), drafted,
                            draft_s if drafted else 0.0)
         drafted_steps.append(drafted > 0)
-    assert all(drafted_steps[:20])
-    assert all(drafted_steps[-50:])  # back to drafting every step
+    assert all(drafting(drafted_steps[:20]))
+    assert len(drafting(drafted_steps[-50:])) >= 48  # back to drafting (but to time plain)
 
 
 ROW_S = 0.125  # what a verify row really costs; the profile (make_policy) believes 0.05 s
@@ -122,7 +131,7 @@ def _closed_loop(policy: VerifyPolicy, steps: int, learn: bool) -> list[int]:
         limits = [LIMIT if step >= 20 else 0] * REQS
         plan = policy.plan(keys, classes, limits, REQS)
         drafted = sum(1 for n in plan if n)
-        lengths = policy.choose(keys, classes, plan, REQS, drafted=drafted)
+        lengths = policy.choose(keys, classes, plan, REQS, draft_rows=drafted)
         for k, n in zip(keys, lengths):
             policy.record(k, "greedy", n, min(n, pattern[(step + k) % len(pattern)]))
         tokens = REQS + sum(lengths)
@@ -144,5 +153,6 @@ def test_drafting_factor_learns_what_verify_rows_really_cost():
     without = _closed_loop(trusting, 300, learn=False)
     assert learned.drafting_factor == pytest.approx(ROW_S / 0.05, rel=0.02)
     assert trusting.drafting_factor == 1.0
-    assert set(with_factor[100:]) <= {2 * REQS - 1, 2 * REQS}  # per-request estimates differ
-    assert set(without[100:]) == {3 * REQS}
+    # per-request estimates differ
+    assert set(drafting(with_factor[100:])) <= {2 * REQS - 1, 2 * REQS}
+    assert set(drafting(without[100:])) <= {3 * REQS - 1, 3 * REQS}
