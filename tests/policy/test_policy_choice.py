@@ -8,11 +8,12 @@ import itertools
 import math
 
 import numpy as np
+import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from dspark_launch.spec.cost_curve import CostCurve
-from dspark_launch.spec.policy import choose_lengths, monotone
+from dspark_launch.spec.policy import best_prefix, choose_lengths, monotone
 
 
 def brute_force(survival, base, seconds):
@@ -122,3 +123,16 @@ def test_probes_back_off_while_drafting_does_not_pay():
                 < PROBE_EVERY_MAX]
     assert gaps[:len(doubling)] == doubling
     assert set(gaps[len(doubling):]) == {PROBE_EVERY_MAX}
+
+
+def test_best_prefix_prices_the_draft_block_the_longest_verify_needs():
+    """Two requests, survival (0.9, 0.8, 0.1), a step of n tokens 1 + 0.01 n s. Drafting
+    priced by rows (0.1 s x requests x longest verify: a block drafter's fitted block):
+    [2, 2] gives 5.4 / 1.46 = 3.70 tok/s, [3, 3] only 5.6 / 1.68 = 3.33. Priced per request
+    (0.1 s each, whatever the block), [3, 3] wins: 5.6 / 1.28 = 4.38 against 5.4 / 1.26."""
+    survival = [[0.9, 0.8, 0.1]] * 2
+    step = lambda n: 1.0 + 0.01 * n  # noqa: E731
+    by_rows = best_prefix(survival, 2, step, lambda n, longest: 0.1 * n * longest)
+    assert by_rows.lengths == [2, 2] and by_rows.expected_tokens == pytest.approx(5.4)
+    per_request = best_prefix(survival, 2, step, lambda n, longest: 0.1 * n)
+    assert per_request.lengths == [3, 3]
