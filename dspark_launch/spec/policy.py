@@ -38,7 +38,10 @@ candidates and came back (a global argmax over all length vectors) would make {l
 depend on x_j, x_{j+1}, ... — the paper's Appendix A counterexample — hence the early stop.
 
 The same argument covers any length computed from past rounds only (the "fixed" policy, a
-probe, or the DFlash/NGRAM decision to skip drafting a request this step).
+probe, a plain step kept to time plain decoding, or the DFlash/NGRAM decision to skip
+drafting a request this step), and the draft block's length, which the plan fixes before
+any draft exists: a shorter block changes the draft distribution q, and speculative sampling
+is exact for any q.
 """
 
 from __future__ import annotations
