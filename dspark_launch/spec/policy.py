@@ -153,7 +153,7 @@ def best_prefix(
     d = np.arange(len(a) + 1)
     tau = reqs + np.concatenate([[0.0], np.cumsum(a)])
     drafting = np.concatenate([[0], np.cumsum(j == 0)])  # requests with a draft admitted
-    longest = np.concatenate([[0], np.maximum.accumulate(j + 1)]) if len(j) else d  # [N+1]
+    longest = np.concatenate([[0], np.maximum.accumulate(j + 1)])  # [N+1] longest admitted
     drafts = np.where(drafting > 0, draft_seconds(np.maximum(drafting, 1), longest), 0.0)
     cost = step_seconds(base_tokens + d) + drafts
     best = int(np.argmax(tau / cost)) if reqs else 0  # first maximum: the shortest prefix
@@ -214,7 +214,7 @@ def merge_metrics(parts: list[dict]) -> dict:
             out[key].update({int(k): v for k, v in p[key].items()})
         for key in ("skipped_draft_steps", "plain_steps", "rounds", "predicted_sum",
                     "realised_sum"):
-            out[key] += p.get(key, 0)
+            out[key] += p[key]
         for i, pos in enumerate(p["positions"]):
             if i == len(out["positions"]):
                 out["positions"].append({"rounds": 0, "predicted_sum": 0.0, "realised_sum": 0})
@@ -447,7 +447,7 @@ def format_policy(report: dict) -> str:
     return (f"speculative policy {report['policy']}: predicted tau {report['predicted_tau']:.2f}"
             f" vs realised {report['realised_tau']:.2f} over {report['rounds']} rounds; drafts "
             f"verified per round {report['chosen_lengths']}; draft forward skipped in "
-            f"{report['skipped_draft_steps']} steps ({report.get('plain_steps', 0)} of them "
+            f"{report['skipped_draft_steps']} steps ({report['plain_steps']} of them "
             f"to time plain decoding)\n"
             f"verified tokens per step {report['verified_tokens_per_step']}\n"
             f"survival per position, predicted/realised: {calib}")
