@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from dspark_launch.errors import ConfigError
 from dspark_launch.parallel import launch_world_size, validate_layout
+from dspark_launch.spec.policy import POLICIES
 
 SPEC_ALGORITHMS = ("NONE", "NGRAM", "DFLASH", "DSPARK")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -140,10 +141,12 @@ def build_parser(serve: bool = False) -> argparse.ArgumentParser:
                    help="DSpark: verify each block only up to the first confidence below "
                    "this (0 = full block)")
     g.add_argument("--ngram-max", type=int, default=3, help="NGRAM: longest suffix matched")
-    g.add_argument("--speculative-policy", choices=("adaptive", "fixed"), default="adaptive",
-                   help="adaptive: each step, choose per request how many drafts to verify "
-                   "from calibrated acceptance and the profiled cost of the target forward "
-                   "(0 = plain decoding for it this step); fixed: verify every draft")
+    g.add_argument("--speculative-policy", choices=POLICIES, default="adaptive",
+                   help="adaptive: cap the drafts verified per step at what measured fastest "
+                   "(0 = plain decoding), the cost model deciding per request within the cap "
+                   "where that measured faster; model: the cost model alone (calibrated "
+                   "acceptance against the profiled cost of the target forward); fixed: "
+                   "verify every draft")
     g.add_argument("--profile-cost-curve", choices=("auto", "off"), default="auto",
                    help="auto: profile the target forward's speed over a few token counts at "
                    "start-up (cached per machine and topology); off: start flat and learn "

@@ -188,7 +188,8 @@ def main() -> None:
     ap.add_argument("--algorithms", nargs="+", default=["NONE", "NGRAM", "DFLASH", "DSPARK"])
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=None)
-    ap.add_argument("--speculative-policy", choices=("adaptive", "fixed"), default="adaptive",
+    ap.add_argument("--speculative-policy", choices=("adaptive", "model", "fixed"),
+                    default="adaptive",
                     help="verify-length policy of every speculative algorithm")
     ap.add_argument("--kv-cache-memory", default="256MiB")
     ap.add_argument("--attention-backend", default="auto")
@@ -209,6 +210,7 @@ def main() -> None:
     results: dict[str, dict] = {}
     index = 0
     runs: dict[tuple[str, str], list[dict]] = {}  # (group, algorithm) -> one per repeat
+    ladders: dict[str, dict] = {}  # batch -> algorithm -> the verify ladders at the end
     try:
         for batch in args.batches:
             engines = {}
@@ -234,6 +236,10 @@ def main() -> None:
                         print(f"repeat {rep} {group} {algorithm:7s} decode "
                               f"{r['decode_tok_s'] or 0:8.1f} tok/s  all {r['tok_s']:8.1f} "
                               f"tok/s  tau {r['tau'] or 0:.2f}", flush=True)
+            # Where each ladder ended (per request class): what the policy settled on.
+            ladders[f"batch {batch}"] = {name: engine.policy.report()["ladders"]
+                                         for name, engine in engines.items()
+                                         if getattr(engine, "policy", None) is not None}
             for engine in engines.values():
                 engine.shutdown()
     finally:
@@ -271,7 +277,8 @@ def main() -> None:
             "speculative_policy": args.speculative_policy,
             "statistic": "median of repeats; decode = steps that prefilled nothing"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    Path(args.out).write_text(json.dumps({"meta": meta, "results": results,
+                                          "ladders": ladders}, indent=2))
     print(f"wrote {args.out}")
     if args.plot:
         plot(results, Path(args.plot))

@@ -40,7 +40,7 @@ class EngineArgs:
     block_size: int | None = None
     dspark_confidence_threshold: float = 0.0
     ngram_max: int = 3
-    speculative_policy: str = "adaptive"  # or "fixed": verify every draft
+    speculative_policy: str = "adaptive"  # or "model" or "fixed" (spec/policy.py)
     profile_cost_curve: str = "auto"  # or "off"
     dtype: str = "auto"
     device: str = "auto"  # informational: the device is chosen by init_parallel_runtime

@@ -84,7 +84,7 @@ def build_verify_policy(engine, mode: str, profile: str, draft_dir: str | None,
     # A drafter's forward costs about its layer share of the target's over the block rows;
     # NGRAM's host lookups next to nothing. Both are refined from measured draft times.
     scale = draft.config.num_hidden_layers / c.num_hidden_layers if draft is not None else 0.0
-    if mode == "adaptive":
+    if mode != "fixed":
         proposer.fit_block = True  # a block drafter runs the shortest block the verify needs
     draft_curve = draft_curve_guess(
         curve, int(proposer.draft_rows(engine.limits.max_running, proposer.max_drafts)), scale)
@@ -113,6 +113,7 @@ def gather_policy_report(engine) -> dict | None:
     merged["policy"] = policy.mode
     merged["cost_curves"] = [p["cost_curve"] for p in parts]  # one per attn_dp group
     merged["draft_cost_curves"] = [p["draft_cost_curve"] for p in parts]
+    merged["ladders"] = [p["ladders"] for p in parts]  # per group: per request class
     merged["drafting_factors"] = [p["drafting_factor"] for p in parts]
     return merged
 

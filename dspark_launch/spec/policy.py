@@ -9,6 +9,12 @@ of falling survival a_{r,j}; each is admitted while it raises the expected throu
 and the walk stops at the FIRST candidate that does not raise it (early stopping). A request
 may end with l_r = 0: plain decoding for it this step.
 
+That is the "model" policy. The default, "adaptive", runs it inside the verify ladder
+(spec/ladder.py): each step a cap on the drafts verified per request, and whether the model
+decides within it or every request verifies the cap, chosen by the speed each choice measured
+(the model's prices, a profile refined online, were off by enough on a shared CPU to lose to
+plain decoding where a short fixed verify won).
+
 Why this is lossless (the output distribution is exactly the target's)
 --------------------------------------------------------------------
 Fix a request r and condition on everything that does not depend on r's drafts this step:
@@ -37,11 +43,11 @@ any length (accepted drafts equal the target's argmax). A search that looked at 
 candidates and came back (a global argmax over all length vectors) would make {l_r >= j}
 depend on x_j, x_{j+1}, ... — the paper's Appendix A counterexample — hence the early stop.
 
-The same argument covers any length computed from past rounds only (the "fixed" policy, a
-probe, a plain step kept to time plain decoding, or the DFlash/NGRAM decision to skip
-drafting a request this step), and the draft block's length, which the plan fixes before
-any draft exists: a shorter block changes the draft distribution q, and speculative sampling
-is exact for any q.
+The same argument covers any length computed from past rounds only (the "fixed" policy, the
+ladder's cap and mode, a probe, a plain step kept to time plain decoding, or the DFlash/NGRAM
+decision to skip drafting a request this step), and the draft block's length, which the plan
+fixes before any draft exists: a shorter block changes the draft distribution q, and
+speculative sampling is exact for any q.
 """
 
 from __future__ import annotations
@@ -59,8 +65,11 @@ from dspark_launch.spec.acceptance import (
     apply_temperatures,
 )
 from dspark_launch.spec.cost_curve import CostCurve, profile_points
+from dspark_launch.spec.ladder import PLAIN, Ladder
 
-POLICIES = ("adaptive", "fixed")
+# adaptive: the verify ladder (spec/ladder.py) over caps, the cost model one of its modes;
+# model: the cost model alone at the full cap; fixed: every draft is verified.
+POLICIES = ("adaptive", "model", "fixed")
 PROBE_EVERY = 32  # steps without drafting before one probe step (see VerifyPolicy.plan) ...
 PROBE_EVERY_MAX = 512  # ... doubling, up to this, after each probe that did not pay
 # Drafting steps between plain ones: a plain step now and then (and the first) measures
@@ -236,12 +245,15 @@ def merge_metrics(parts: list[dict]) -> dict:
 class VerifyPolicy:
     """One attn_dp group's verify-length policy, called by the engine every step:
 
-    1. plan(): before drafting, from past rounds only — per request the most drafts it may
-       verify (0: do not draft it), by best_prefix, which prices the draft forward by its
-       rows (a block drafter runs the shortest block that holds the longest verify).
-       DFlash/NGRAM: these are the lengths. DSpark: choose() may cut them further.
+    1. plan(): before drafting, from past steps only — the ladder's arm (spec/ladder.py:
+       the most drafts any request verifies, and whether the cost model decides within that
+       cap), then per request the most drafts it may verify (0: do not draft it): the cap,
+       or, in a model arm, best_prefix's lengths, which price the draft forward by its rows
+       (a block drafter runs the shortest block that holds the longest verify).
+       DFlash/NGRAM: these are the lengths. DSpark in a model arm: choose() may cut further.
     2. choose(): DSpark, after drafting — calibrated confidences, Algorithm 1 (early stop).
-    3. record() each request's outcome, record_step() the measured times.
+    3. record() each request's outcome, record_step() the measured times (which score the
+       step's arm on its ladder, one per request class).
 
     Every rank of the group calls it with the same values (tokens, agreed times), so they
     choose the same lengths. In "fixed" mode it only predicts (for the calibration report)."""
@@ -271,25 +283,62 @@ class VerifyPolicy:
         self.drafting_factor = 1.0
         self.plain_curve = CostCurve(list(curve.tokens), list(curve.seconds), ema=PLAIN_EMA,
                                      outlier_ratio=PLAIN_OUTLIER)
+        # The ladder's yardstick: the start-up profile, never refined, so that arms measured
+        # at different times are scored alike (a learned curve would move under them).
+        self.reference = CostCurve(list(curve.tokens), list(curve.seconds))
         self._since_plain = PLAIN_EVERY  # drafting steps planned since the last plain one
-        self._probing = False  # this step's plan is a probe
+        self.ladders: dict[str, Ladder] = {}  # per request class (adaptive)
+        self._model = True  # this step's lengths are the cost model's (choose() may cut)
+        # The step being planned, and the one before it: its times arrive in record_step()
+        # after the next step was planned.
+        self._played: _Played | None = None
+        self._pending: _Played | None = None
 
     @property
     def adaptive(self) -> bool:
-        return self.mode == "adaptive"
+        return self.mode != "fixed"
 
     def plan(self, keys: Sequence[object], classes: Sequence[str], limits: Sequence[int],
              base_tokens: int) -> list[int]:
         self._survival = {}
-        self._probing = False
+        self._pending, self._played = self._played, None
         if not self.adaptive or not keys:
             return list(limits)
+        ladder = self._ladder(classes)
+        arm = ladder.pick()
+        cap, self._model = ladder.arms[arm].cap, ladder.arms[arm].model
+        capped = [min(n, cap) for n in limits]
+        lengths = (self._model_lengths(keys, classes, capped, base_tokens) if self._model
+                   else capped)
+        if self._model and sum(lengths) and self._since_plain >= PLAIN_EVERY:
+            # Plain now, and let drafting resume next step (the step counts as plain's): the
+            # model prices drafting against plain steps (the ladder's arms need none).
+            self._since_plain, arm, lengths = 0, PLAIN, [0] * len(limits)
+            self.metrics.plain_steps += 1
+        self._since_plain = self._since_plain + 1 if sum(lengths) else 0
+        if any(limits) and not sum(lengths):
+            self.metrics.skipped_drafts += 1
+        self._played = _Played(ladder, arm, base_tokens)
+        return lengths
+
+    def _ladder(self, classes: Sequence[str]) -> Ladder:
+        """The ladder of the step's majority class (greedy and sampled rounds accept drafts
+        at different rates, so each class climbs its own)."""
+        cls = Counter(classes).most_common(1)[0][0]
+        if cls not in self.ladders:
+            self.ladders[cls] = (Ladder(self.positions) if self.mode == "adaptive"
+                                 else Ladder.single(self.positions, model=True))
+        return self.ladders[cls]
+
+    def _model_lengths(self, keys: Sequence[object], classes: Sequence[str],
+                       limits: Sequence[int], base_tokens: int) -> list[int]:
+        """The cost model's lengths from past rounds (best_prefix), probing now and then
+        while it drafts nothing."""
         if (self._idle % IDLE_RECHECK and self._idle + 1 < self._probe_every
                 and keys == self._idle_keys):
             # Idle, same requests: their estimates have not moved (counts age with drafting
             # steps only) and only the cost curve drifts; skip re-pricing most steps.
             self._idle += 1
-            self.metrics.skipped_drafts += 1
             return [0] * len(limits)
         past = [survival_of(self.tracker.conditional(k, c)[:lim])
                 for k, c, lim in zip(keys, classes, limits)]
@@ -307,18 +356,10 @@ class VerifyPolicy:
                 # of one request's draft; one step in PROBE_EVERY at most, backing off (up
                 # to PROBE_EVERY_MAX) while no drafted round is accepted.
                 choice = self._probe(limits, base_tokens)
-        if sum(choice.lengths) and self._since_plain >= PLAIN_EVERY:
-            # Plain now, and let drafting resume next step: nothing else changes state.
-            self._since_plain = 0
-            self.metrics.plain_steps += 1
-            self.metrics.skipped_drafts += 1
-            return [0] * len(limits)
-        self._since_plain = self._since_plain + 1 if sum(choice.lengths) else 0
         if sum(choice.lengths) and not self._drafting:
             self._accepted = False
         self._drafting = sum(choice.lengths) > 0
         if sum(choice.lengths) == 0 and any(limits):
-            self.metrics.skipped_drafts += 1
             self._idle_keys = list(keys)
         else:
             self._idle = 0
@@ -329,7 +370,6 @@ class VerifyPolicy:
         drafting = [i for i, n in enumerate(limits) if n > 0]
         turn = drafting[self._probes % len(drafting)]
         self._probes += 1
-        self._probing = True
         return fixed_lengths([n if i == turn else 0 for i, n in enumerate(limits)],
                              base_tokens)
 
@@ -351,8 +391,8 @@ class VerifyPolicy:
         self._cond = {k: row for k, row in zip(keys, cond)}
         if not self.adaptive:
             return list(limits)
-        if conf is None:
-            return list(limits)  # decided in plan() from past rounds; drafts only cut short
+        if conf is None or not self._model:
+            return list(limits)  # decided in plan(): from past rounds, or the ladder's cap
         sunk = self.draft_curve.step_seconds(draft_rows) if draft_rows else 0.0
         step = self._drafting_step(base_tokens)
         return choose_lengths(survival, base_tokens, lambda n: step(n) + sunk).lengths
@@ -384,9 +424,20 @@ class VerifyPolicy:
         """One request's round: `verified` drafts verified, `accepted` of them accepted."""
         m = self.metrics
         m.lengths[verified] += 1
+        surv = self._survival.get(key)
+        if self._played is not None:
+            # DSpark: the ladder scores the tokens this round was expected to commit (the
+            # head's calibrated, corrected confidences in these very drafts) rather than the
+            # tokens it committed: a round commits 1 to 9 tokens by chance, which would take
+            # the ladder a thousand rounds per arm to average out at batch 1. DFlash/NGRAM
+            # estimates are past rates shrunk towards an optimistic prior (they would make a
+            # drafter never accepted look worth trying): their rounds count as committed.
+            self._played.rounds += 1
+            self._played.committed += 1 + (sum(surv[:verified])
+                                           if self.confidence and surv is not None
+                                           else accepted)
         self._accepted = self._accepted or accepted > 0
         self.tracker.observe(key, cls, verified, accepted)
-        surv = self._survival.get(key)
         if surv is None:
             return
         if self.confidence and verified:
@@ -407,6 +458,8 @@ class VerifyPolicy:
         drafter written off does not drift back to the optimistic prior by itself. Probes
         (plan(), backing off) are what tries it again."""
         self.metrics.verified_tokens[decode_tokens] += 1
+        if decode_tokens:
+            self._observe_ladder(forward_s + draft_s)
         if self.adaptive and base_tokens is not None and draft_rows:
             self._learn_drafting_factor(base_tokens, forward_tokens, forward_s)
         if decode_tokens:
@@ -423,13 +476,41 @@ class VerifyPolicy:
             self.tracker.tick()
             self.correction.tick()
 
+    def _observe_ladder(self, seconds: float) -> None:
+        """The timed step's outcome to its ladder. Its times arrive one step late: after the
+        next step was planned (then it is _pending) or, when that step planned nothing (a
+        prefill), while it is still _played; a step none of whose requests was recorded yet
+        is not the one timed."""
+        played = next((p for p in (self._pending, self._played) if p is not None and p.rounds),
+                      None)
+        if played is None:
+            return
+        if played is self._pending:
+            self._pending = None
+        else:
+            self._played = None
+        played.ladder.observe(played.arm, played.rounds, played.committed,
+                              seconds / self.reference.step_seconds(played.base_tokens))
+
     def forget(self, key: object) -> None:
         self.tracker.forget(key)
 
     def report(self) -> dict:
         return {"policy": self.mode, **self.metrics.to_dict(),
+                "ladders": {cls: ladder.to_dict() for cls, ladder in self.ladders.items()},
                 "drafting_factor": round(self.drafting_factor, 4),
                 "cost_curve": self.curve.to_dict(), "draft_cost_curve": self.draft_curve.to_dict()}
+
+
+@dataclass
+class _Played:
+    """A step as the ladder played it: its arm, and what its requests committed."""
+
+    ladder: Ladder
+    arm: int  # index into ladder.arms
+    base_tokens: int
+    rounds: int = 0  # requests recorded
+    committed: float = 0.0  # tokens they were expected to commit (see record())
 
 
 def survival_of(cond: Sequence[float]) -> list[float]:
@@ -444,7 +525,12 @@ def format_policy(report: dict) -> str:
     """Summary lines: the policy's choices and its calibration check."""
     calib = " ".join(f"{c['position']}:{c['predicted']:.2f}/{c['realised']:.2f}"
                      for c in report.get("calibration", []))
-    return (f"speculative policy {report['policy']}: predicted tau {report['predicted_tau']:.2f}"
+    ladders = "; ".join(
+        f"{cls} cap {lad['current']['cap']}{' (model)' if lad['current']['model'] else ''}"
+        f" after {lad['steps']} steps ({lad['tries']} trying a neighbour)"
+        for group in report.get("ladders", []) for cls, lad in group.items())
+    return (f"verify ladder: {ladders or 'none'}\n"
+            f"speculative policy {report['policy']}: predicted tau {report['predicted_tau']:.2f}"
             f" vs realised {report['realised_tau']:.2f} over {report['rounds']} rounds; drafts "
             f"verified per round {report['chosen_lengths']}; draft forward skipped in "
             f"{report['skipped_draft_steps']} steps ({report['plain_steps']} of them "

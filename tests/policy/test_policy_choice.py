@@ -106,8 +106,8 @@ def test_probes_back_off_while_drafting_does_not_pay():
     only, so lossless like every other plan."""
     from dspark_launch.spec.policy import PROBE_EVERY, PROBE_EVERY_MAX, VerifyPolicy
 
-    policy = VerifyPolicy("adaptive", CostCurve([1, 64], [1.0, 64.0]),
-                          CostCurve([1, 64], [1.0, 64.0]), positions=4)
+    policy = VerifyPolicy("model", CostCurve([1, 64], [1.0, 64.0]),
+                         CostCurve([1, 64], [1.0, 64.0]), positions=4)
     drafted = []
     for step in range(6000):
         lengths = policy.plan([0], ["greedy"], [4], 1)

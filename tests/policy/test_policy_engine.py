@@ -68,15 +68,18 @@ def policy_argv(tiny, algorithm, prompts, max_new=MAX_NEW, profile="off"):
 
 
 def test_always_wrong_drafter_converges_to_plain_decoding(tiny, tmp_path):
-    full, ref = full_sequences(tiny, tiny.prompts12, MAX_NEW)
+    max_new = 6 * MAX_NEW  # the ladder tries each neighbour a few times before backing off
+    full, ref = full_sequences(tiny, tiny.prompts12, max_new)
     probe = ProposerProbe("dspark_launch.spec.block_drafter", "DFlashProposer", make_drafter,
                           full, "garbage")
-    job = run_job(tmp_path, "wrong", policy_argv(tiny, "DFLASH", tiny.prompts12), probe=probe)
+    job = run_job(tmp_path, "wrong", policy_argv(tiny, "DFLASH", tiny.prompts12, max_new),
+                  probe=probe)
     assert job.rcs == [0]
     assert job.outputs == ref
     verified = [n for _, n, _ in job.probes[0]["verifies"]]
-    late = verified[len(verified) // 2:]
-    # Fixed would verify 5 drafts in nearly every round; the policy tried, then stopped.
+    late = verified[2 * len(verified) // 3:]
+    # Fixed would verify 5 drafts in nearly every round; the policy tried, then stopped (but
+    # for a try now and then, fewer and fewer).
     assert max(verified[:len(verified) // 4]) > 0
     assert sum(late) / len(late) < 0.25, late
     report = job.metrics["speculative_policy"]
@@ -85,19 +88,25 @@ def test_always_wrong_drafter_converges_to_plain_decoding(tiny, tmp_path):
 
 
 def test_oracle_drafter_verifies_full_blocks(tiny, tmp_path):
-    full, ref = full_sequences(tiny, tiny.prompts12, MAX_NEW)
+    # 24 requests of 280 tokens: the ladder starts plain and climbs one cap per comparison,
+    # each needing a few tries of the next cap
+    prompts = write_prompts(tmp_path / "p24.jsonl",
+                            [{"input_ids": ids} for ids in prompt_ids(tiny.prompts12) * 2])
+    max_new = 7 * MAX_NEW  # (and the climb is slower on a loaded machine)
+    full, ref = full_sequences(tiny, prompts, max_new)
     probe = ProposerProbe("dspark_launch.spec.block_drafter", "DFlashProposer", make_oracle,
                           full)
-    job = run_job(tmp_path, "oracle", policy_argv(tiny, "DFLASH", tiny.prompts12),
-                  probe=probe)
+    job = run_job(tmp_path, "oracle", [*policy_argv(tiny, "DFLASH", prompts, max_new),
+                                       "--max-total-tokens", "16384"], probe=probe)
     assert job.rcs == [0]
     assert job.outputs == ref
     rounds = [(n, a) for _, n, a in job.probes[0]["verifies"]]
     assert all(a == n for n, a in rounds)  # the oracle is always right
-    # Full blocks (5 drafts) except where the request has fewer tokens left.
-    full_or_capped = [n for n, _ in rounds if n == BLOCK - 1]
-    assert len(full_or_capped) >= 0.6 * len(rounds), rounds
-    assert job.metrics["mean_tau"] > 4.0
+    # Once up (the first full block, 5 drafts): full blocks but where a request has fewer
+    # tokens left or a neighbour is tried.
+    widths = [n for n, _ in rounds]
+    up = widths[widths.index(BLOCK - 1):]
+    assert up.count(BLOCK - 1) >= 0.6 * len(up) and len(up) >= len(prompt_ids(prompts)), up
 
 
 @pytest.mark.parametrize("algorithm,world,dp", [
@@ -145,16 +154,21 @@ class SteepCost(Probe):
         CostCurve.observe = lambda self, n, seconds: None
 
 
-@pytest.mark.parametrize("algorithm,block", [("DFLASH", 4), ("DSPARK", 3)])
-def test_adaptive_sampling_matches_target_distribution(tiny, tmp_path, algorithm, block):
+@pytest.mark.parametrize("algorithm,block,policy", [
+    ("DFLASH", 4, "adaptive"), ("DSPARK", 3, "adaptive"), ("DFLASH", 4, "model"),
+    ("DSPARK", 3, "model")])
+def test_adaptive_sampling_matches_target_distribution(tiny, tmp_path, algorithm, block,
+                                                       policy):
     """Every request samples 6 tokens at T=1 (rounds of up to `block` drafts, lengths chosen
-    by the policy); the first three follow the target's exact marginals."""
+    by the policy); the first three follow the target's exact marginals. "adaptive": the
+    ladder's caps (from past steps) and, in its model arms, the cost model's; "model": the
+    cost model alone, whose DSpark cut reads the confidences of the drafts just drawn."""
     prompts = write_prompts(tmp_path / "same.jsonl", [{"input_ids": PROMPT}] * N_REQ)
     draft = tiny.small_draft(algorithm, block)
     job = run_job(tmp_path, "sample", [
         "--model", str(tiny.small_vocab), "--speculative-algorithm", algorithm, "--draft",
         str(draft), "--prompts", str(prompts), "--max-new-tokens", "6", "--temperature", "1.0",
-        "--seed", "11", "--speculative-policy", "adaptive", *AMPLE], probe=SteepCost())
+        "--seed", "11", "--speculative-policy", policy, *AMPLE], probe=SteepCost())
     assert job.rcs == [0]
     outs = torch.tensor(job.outputs)[:, :3]  # [N, 3] (no EOS in this vocabulary)
     assert outs.shape == (N_REQ, 3)
@@ -162,7 +176,7 @@ def test_adaptive_sampling_matches_target_distribution(tiny, tmp_path, algorithm
     # The policy really chose: plain decoding for some request-rounds, short and longer blocks
     # for others; and drafts were accepted.
     assert lengths.get("0", 0) > 0 and sum(v for k, v in lengths.items() if k != "0") > 0
-    assert len(lengths) >= 3, lengths
+    assert len(lengths) >= (3 if policy == "model" else 2), lengths
     assert any(n >= 2 for r in job.records for n in r["accept_lens"])
     exact = exact_marginals(tiny.small_vocab)
     for pos in range(3):
@@ -198,7 +212,7 @@ def test_chi_square_catches_a_peeking_policy(tiny, tmp_path):
     job = run_job(tmp_path, "peek", [
         "--model", str(tiny.small_vocab), "--speculative-algorithm", "DFLASH", "--draft",
         str(draft), "--prompts", str(prompts), "--max-new-tokens", "3", "--temperature", "1.0",
-        "--seed", "11", *AMPLE], probe=PeekingPolicy())
+        "--seed", "11", "--speculative-policy", "model", *AMPLE], probe=PeekingPolicy())
     assert job.rcs == [0]
     outs = torch.tensor(job.outputs)
     exact = exact_marginals(tiny.small_vocab)

@@ -25,7 +25,7 @@ def drafting(verified: list[int]) -> list[int]:
 def make_policy(confidence: bool = False, temperatures=None) -> VerifyPolicy:
     curve = CostCurve([1, 64], [1.0, 1.0 + 63 * 0.05])  # memory-bound-ish: a row costs 5%
     draft = CostCurve([1, 8], [0.2, 0.3])
-    return VerifyPolicy("adaptive", curve, draft, LIMIT, temperatures, confidence)
+    return VerifyPolicy("model", curve, draft, LIMIT, temperatures, confidence)
 
 
 def run(policy: VerifyPolicy, accept, steps: int, conf=None, planned=None) -> list[int]:

@@ -1,0 +1,269 @@
+"""The verify ladder: the most drafts a request verifies this step, chosen by measured speed.
+
+Algorithm 1 (spec/policy.py) prices every verify row and draft row with a cost model, a
+profile refined online. On a shared CPU that model's errors cost more than its choices gain:
+at batch 16 greedy, DSpark verifying a fixed 2-4 drafts per request ran 1.10-1.29x plain
+decoding while the model's own lengths ran 0.98-1.17x in the same runs (engines interleaved),
+and at batch 64 the model drafted where plain decoding was faster (0.82-0.93x). A verify row's
+price there moves with the batch, the context and the machine's load, and its errors compound
+through the draft block it implies. So the policy measures what each choice really yields.
+
+An arm is (cap, model): every request verifies at most `cap` drafts; with `model` the cost
+model decides within the cap (Algorithm 1 and best_prefix), without it every request verifies
+the cap (cap 0: plain decoding). A step's speed is the tokens its requests committed (DSpark:
+were expected to commit, from the head's calibrated confidences in the drafts verified: a
+round's tokens scatter too much to compare arms at batch 1) per request-round, over its
+seconds in units of a yardstick step of those tokens (the start-up profile, never refined, so
+that a batch of 4 and one of 16 compare).
+
+Paired comparisons: this machine's speed drifts by +-15% within seconds, and a cold start is
+slower still, so arms measured at different times do not compare. The ladder plays its current
+arm and keeps a short average of its speed; every few steps it tries a neighbour (the next two
+caps up or down, the same cap with the other mode, plain decoding) for two steps and scores
+the second (the first pays for the switch of shapes) against the current arm's average just
+before it: the log of the ratio, averaged (with forgetting) per arm, with its standard error.
+It moves to a neighbour whose ratio is above 1 + MARGIN by Z standard errors; a neighbour that
+is slower (or ties within the margin) is tried less and less often (its wait doubles, up to
+EXPLORE_MAX), one not yet resolved keeps being tried. After a move the ratios are re-based on
+the new arm (the old one's is the mirror of the one that won, the others' shift by the
+winner's).
+
+It starts at plain decoding, so speculation has to earn its place, and measures the next cap up
+at once; a climb continues in its direction first. Plain decoding neighbours every arm, so the
+ladder can always fall back to it.
+
+Lossless: the arm of a step is a function of earlier steps' outcomes and times only, fixed
+before any draft of this step exists (a length from past rounds, spec/policy.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+CAPS = (0, 1, 2, 3, 4, 6, 8, 12, 16)  # caps tried (those below max_drafts, and max_drafts)
+EXPLORE_EVERY = 4  # steps between tries of one neighbour at first ...
+EXPLORE_MAX = 256  # ... doubling, up to this, while it does not win
+TRY_GAP = 3  # steps between two tries of any neighbours (a climb's next cap excepted)
+TRY_STEPS = 2  # steps of one try (its first is not scored: see observe)
+MIN_ROUNDS = 8  # request-rounds a neighbour must have measured before it is judged ...
+MIN_TRIES = 3  # ... over this many steps at least
+PATIENCE = 12  # tries after which an unresolved neighbour is tried less often too
+HALF_LIFE = 4096  # request-rounds (of any arm) after which a try counts half
+BASE_ROUNDS = 32  # request-rounds the current arm's speed is averaged over
+MARGIN = 0.02  # a neighbour must be this much faster to be moved to ...
+Z = 2.0  # ... by this many standard errors of its log ratio (judged after every try)
+CLIP = math.log(2.0)  # a try's log ratio counts as at most this (a stalled machine's step)
+NOISE = 0.05  # the least scatter of a try's log ratio (a few tries can look steadier)
+PLAIN = 0  # the arm index of plain decoding
+
+
+@dataclass
+class Arm:
+    cap: int  # most drafts a request verifies (0: plain decoding)
+    model: bool  # the cost model decides within the cap (False: every request verifies it)
+    # Forgetting sums over its tries t, each of weight w_t (request-rounds) and log ratio y_t
+    # (its speed over the current arm's just before):
+    rounds: float = 0.0  # sum w
+    total: float = 0.0  # sum w y
+    squares: float = 0.0  # sum w y^2 ...
+    weights: float = 0.0  # ... and sum w^2: the mean's standard error
+    warm: bool = False  # its first step was seen (and not scored: one-time costs)
+    wait: int = EXPLORE_EVERY  # steps until this arm is tried again as a neighbour
+    due: int = 0  # the step from which it may be
+
+    def observe(self, rounds: int, log_ratio: float) -> None:
+        self.rounds += rounds
+        self.total += rounds * log_ratio
+        self.squares += rounds * log_ratio * log_ratio
+        self.weights += rounds * rounds
+
+    def fade(self, keep: float) -> None:
+        """Every step: old tries count less, whichever arm was played (a ratio measured
+        long ago says little of the machine now)."""
+        self.rounds *= keep
+        self.total *= keep
+        self.squares *= keep
+        self.weights *= keep * keep
+
+    def shift(self, by: float) -> None:
+        """Re-base the tries: every log ratio moves by `by` (their scatter stays)."""
+        self.squares += 2 * by * self.total + by * by * self.rounds
+        self.total += by * self.rounds
+
+    def mirror(self, other: Arm) -> None:
+        """Take `other`'s tries, negated: A over B is the inverse of B over A."""
+        self.rounds, self.weights = other.rounds, other.weights
+        self.total, self.squares = -other.total, other.squares
+
+    @property
+    def tries(self) -> float:
+        """Effective number of tries (of equal weight) behind the mean."""
+        return self.rounds ** 2 / self.weights if self.weights else 0.0
+
+    @property
+    def judgeable(self) -> bool:
+        """Enough tries to judge: MIN_ROUNDS request-rounds over MIN_TRIES steps or more
+        (one step's scatter says nothing of the next's)."""
+        return self.rounds >= MIN_ROUNDS and self.tries >= MIN_TRIES
+
+    @property
+    def log_ratio(self) -> float:
+        return self.total / self.rounds if self.rounds else 0.0
+
+    def log_error(self) -> float:
+        if not self.rounds:
+            return math.inf
+        spread = max(NOISE ** 2, self.squares / self.rounds - self.log_ratio ** 2)
+        return math.sqrt(spread * self.weights) / self.rounds
+
+
+class Ladder:
+    """One request class's hill climb over the arms (see the module docstring)."""
+
+    def __init__(self, max_drafts: int) -> None:
+        caps = sorted({c for c in CAPS if c < max_drafts} | {max_drafts})
+        self.arms = [Arm(0, False)] + [Arm(c, m) for c in caps if c for m in (False, True)]
+        self.at = PLAIN  # the current arm: plain decoding until speculation measured faster
+        self.base = math.nan  # the current arm's recent speed (the yardstick of every try)
+        self._base_rounds = 0.0
+        self.steps = 0
+        self.tries = 0  # steps that tried a neighbour
+        self._turn = 0  # which neighbour is tried next
+        self._tried = -TRY_GAP  # the step a neighbour was last tried
+        self._run_arm, self._run_left = PLAIN, 0  # the try under way, and its steps to go
+        self._last = PLAIN  # the arm of the last step observed
+        # The arm a climb measures next, at once (from plain decoding: the first cap)
+        self._ahead: int | None = 1 if len(self.arms) > 1 else None
+
+    @classmethod
+    def single(cls, cap: int, model: bool) -> Ladder:
+        """One arm, never left (the "model" policy: the cost model alone at the full cap)."""
+        ladder = cls(0)
+        ladder.arms = [Arm(cap, model)]
+        ladder._ahead = None
+        return ladder
+
+    def neighbours(self, i: int) -> list[int]:
+        """Arms one or two caps up or down with the same mode (two: a cap that only ties
+        must not hide the one past it), the same cap with the other mode, and plain
+        decoding (whatever the climb measured on its way, it can always fall back)."""
+        arm, out = self.arms[i], []
+        caps = sorted({a.cap for a in self.arms})
+        k = caps.index(arm.cap)
+        for j, other in enumerate(self.arms):
+            step = abs(caps.index(other.cap) - k)
+            if (step in (1, 2) and (other.model == arm.model or 0 in (arm.cap, other.cap))) \
+                    or (step == 0 and j != i) or (j == PLAIN != i):
+                out.append(j)
+        return out
+
+    def pick(self) -> int:
+        """This step's arm: the current one, or (a try of TRY_STEPS steps, then TRY_GAP
+        steps of the current arm at least, once its speed is known) the next neighbour in
+        turn that is due; one not yet measured enough to be judged is due at once, and a
+        climb's next cap is tried at once."""
+        self.steps += 1
+        if self._run_left:  # a try lasts TRY_STEPS steps: its first one is not scored
+            self._run_left -= 1
+            self.tries += 1
+            self._tried = self.steps
+            return self._run_arm
+        if math.isnan(self.base):
+            return self.at
+        if self._ahead is not None and not self.arms[self._ahead].judgeable:
+            self.tries += 1
+            return self._ahead
+        if self.steps - self._tried <= TRY_GAP:
+            return self.at
+        near = self.neighbours(self.at)
+        for k in range(len(near)):
+            j = near[(self._turn + k) % len(near)]
+            arm = self.arms[j]
+            if self.steps >= arm.due:
+                self._turn = (self._turn + k + 1) % len(near)
+                arm.due = self.steps + (arm.wait if arm.judgeable else 1)
+                self._tried = self.steps
+                self.tries += 1
+                self._run_arm, self._run_left = j, TRY_STEPS - 1
+                return j
+        return self.at
+
+    def observe(self, i: int, rounds: int, committed: float, relative_seconds: float) -> None:
+        """One step played with arm i: `rounds` requests committed `committed` tokens (in
+        expectation) in a step that took `relative_seconds` yardstick steps of them."""
+        if rounds <= 0 or not relative_seconds > 0 or committed <= 0:
+            return
+        arm, switched, self._last = self.arms[i], i != self._last, i
+        if not arm.warm or switched:
+            # An arm's first step pays one-time costs (allocations, first use), and a step
+            # after a switch pays for the change of shapes: neither is the arm's own speed.
+            arm.warm = True
+            return
+        speed = committed / (rounds * relative_seconds)
+        keep = 0.5 ** (rounds / HALF_LIFE)
+        for other in self.arms:
+            other.fade(keep)
+        if i == self.at:
+            # A short average (over BASE_ROUNDS request-rounds): the machine's speed now.
+            self._base_rounds = min(self._base_rounds + rounds, BASE_ROUNDS)
+            w = rounds / self._base_rounds
+            self.base = speed if math.isnan(self.base) else \
+                math.exp((1 - w) * math.log(self.base) + w * math.log(speed))
+        elif not math.isnan(self.base) and i in self.neighbours(self.at):
+            ratio = math.log(speed / self.base)
+            arm.observe(rounds, min(max(ratio, -CLIP), CLIP))
+            self._judge(i)
+
+    def _judge(self, i: int) -> None:
+        there = self.arms[i]
+        if not there.judgeable:
+            return
+        gap, noise = there.log_ratio, Z * there.log_error()
+        if -noise < gap < noise and noise > math.log(1 + MARGIN):
+            # Not resolved yet: measure it more, but less often while it looks like a tie or
+            # after many tries (a difference this hard to see is worth little).
+            if abs(gap) < math.log(1 + MARGIN) or there.tries >= PATIENCE:
+                there.wait = min(2 * there.wait, EXPLORE_MAX)
+            return
+        if i == self._ahead:
+            self._ahead = None
+        if gap > math.log(1 + MARGIN):
+            self._move(i)
+        else:
+            # Not faster: tried less often. A tie within the margin costs little either way,
+            # and the current arm keeps it (plain decoding keeps a drafter never accepted).
+            there.wait = min(2 * there.wait, EXPLORE_MAX)
+
+    def _move(self, i: int) -> None:
+        came_from, there = self.arms[self.at], self.arms[i]
+        gap = there.log_ratio
+        for j, arm in enumerate(self.arms):  # ratios re-based on the new arm
+            if j not in (i, self.at):
+                arm.shift(-gap)
+        came_from.mirror(there)
+        there.rounds = there.total = there.squares = there.weights = 0.0
+        self.base *= math.exp(gap)
+        self._base_rounds = 0.0
+        self.at = i
+        for j in self.neighbours(i):  # the new neighbours are tried soon ...
+            self.arms[j].wait = EXPLORE_EVERY
+            self.arms[j].due = min(self.arms[j].due, self.steps + EXPLORE_EVERY)
+        # ... and first, at once, the one further in the direction of this move
+        self._ahead = next((j for j in self.neighbours(i) if self.arms[j].model ==
+                            there.model and (self.arms[j].cap - there.cap) *
+                            (there.cap - came_from.cap) > 0), None)
+
+    @property
+    def current(self) -> Arm:
+        return self.arms[self.at]
+
+    def to_dict(self) -> dict:
+        """The current arm, and each neighbour's measured speed over it."""
+        near = self.neighbours(self.at)
+        return {"current": {"cap": self.current.cap, "model": self.current.model},
+                "steps": self.steps, "tries": self.tries,
+                "neighbours": [{"cap": self.arms[j].cap, "model": self.arms[j].model,
+                                "rounds": round(self.arms[j].rounds, 1),
+                                "ratio": round(math.exp(self.arms[j].log_ratio), 4)
+                                if self.arms[j].rounds else None} for j in near]}
