@@ -124,6 +124,7 @@ class Ladder:
     def __init__(self, max_drafts: int) -> None:
         caps = sorted({c for c in CAPS if c < max_drafts} | {max_drafts})
         self.arms = [Arm(0, False)] + [Arm(c, m) for c in caps if c for m in (False, True)]
+        self.near = [self._neighbours(i) for i in range(len(self.arms))]  # per arm
         self.at = PLAIN  # the current arm: plain decoding until speculation measured faster
         self.base = math.nan  # the current arm's recent speed (the yardstick of every try)
         self._base_rounds = 0.0
@@ -140,11 +141,11 @@ class Ladder:
     def single(cls, cap: int, model: bool) -> Ladder:
         """One arm, never left (the "model" policy: the cost model alone at the full cap)."""
         ladder = cls(0)
-        ladder.arms = [Arm(cap, model)]
+        ladder.arms, ladder.near = [Arm(cap, model)], [[]]
         ladder._ahead = None
         return ladder
 
-    def neighbours(self, i: int) -> list[int]:
+    def _neighbours(self, i: int) -> list[int]:
         """Arms one or two caps up or down with the same mode (two: a cap that only ties
         must not hide the one past it), the same cap with the other mode, and plain
         decoding (whatever the climb measured on its way, it can always fall back)."""
@@ -176,7 +177,7 @@ class Ladder:
             return self._ahead
         if self.steps - self._tried <= TRY_GAP:
             return self.at
-        near = self.neighbours(self.at)
+        near = self.near[self.at]
         for k in range(len(near)):
             j = near[(self._turn + k) % len(near)]
             arm = self.arms[j]
@@ -210,7 +211,7 @@ class Ladder:
             w = rounds / self._base_rounds
             self.base = speed if math.isnan(self.base) else \
                 math.exp((1 - w) * math.log(self.base) + w * math.log(speed))
-        elif not math.isnan(self.base) and i in self.neighbours(self.at):
+        elif not math.isnan(self.base) and i in self.near[self.at]:
             ratio = math.log(speed / self.base)
             arm.observe(rounds, min(max(ratio, -CLIP), CLIP))
             self._judge(i)
@@ -246,11 +247,11 @@ class Ladder:
         self.base *= math.exp(gap)
         self._base_rounds = 0.0
         self.at = i
-        for j in self.neighbours(i):  # the new neighbours are tried soon ...
+        for j in self.near[i]:  # the new neighbours are tried soon ...
             self.arms[j].wait = EXPLORE_EVERY
             self.arms[j].due = min(self.arms[j].due, self.steps + EXPLORE_EVERY)
         # ... and first, at once, the one further in the direction of this move
-        self._ahead = next((j for j in self.neighbours(i) if self.arms[j].model ==
+        self._ahead = next((j for j in self.near[i] if self.arms[j].model ==
                             there.model and (self.arms[j].cap - there.cap) *
                             (there.cap - came_from.cap) > 0), None)
 
@@ -260,7 +261,7 @@ class Ladder:
 
     def to_dict(self) -> dict:
         """The current arm, and each neighbour's measured speed over it."""
-        near = self.neighbours(self.at)
+        near = self.near[self.at]
         return {"current": {"cap": self.current.cap, "model": self.current.model},
                 "steps": self.steps, "tries": self.tries,
                 "neighbours": [{"cap": self.arms[j].cap, "model": self.arms[j].model,

@@ -72,9 +72,9 @@ from dspark_launch.spec.ladder import PLAIN, Ladder
 POLICIES = ("adaptive", "model", "fixed")
 PROBE_EVERY = 32  # steps without drafting before one probe step (see VerifyPolicy.plan) ...
 PROBE_EVERY_MAX = 512  # ... doubling, up to this, after each probe that did not pay
-# Drafting steps between plain ones: a plain step now and then (and the first) measures
-# what drafting is compared against; without it, a drafter that looks good would be priced
-# against a plain step nobody timed.
+# Drafting steps between plain ones in a model arm: a plain step now and then (and the first)
+# measures what the model prices drafting against; without it, a drafter that looks good
+# would be priced against a plain step nobody timed (the ladder's own arms need none).
 PLAIN_EVERY = 32
 # The plain curve learns from few steps (one in PLAIN_EVERY where drafting pays): each moves
 # it more, and a stall of the machine less.

@@ -82,13 +82,13 @@ def test_neighbours_are_two_caps_away_the_other_mode_or_plain():
     ladder = Ladder(8)
     arms = [(a.cap, a.model) for a in ladder.arms]
     assert arms[PLAIN] == (0, False)
-    assert sorted(arms[j] for j in ladder.neighbours(PLAIN)) == [(1, False), (1, True),
+    assert sorted(arms[j] for j in ladder.near[PLAIN]) == [(1, False), (1, True),
                                                                  (2, False), (2, True)]
     three = arms.index((3, False))
-    assert sorted(arms[j] for j in ladder.neighbours(three)) == [
+    assert sorted(arms[j] for j in ladder.near[three]) == [
         (0, False), (1, False), (2, False), (3, True), (4, False), (6, False)]
     top = arms.index((8, True))
-    assert sorted(arms[j] for j in ladder.neighbours(top)) == [(0, False), (4, True),
+    assert sorted(arms[j] for j in ladder.near[top]) == [(0, False), (4, True),
                                                                (6, True), (8, False)]
 
 

@@ -67,10 +67,34 @@ def policy_argv(tiny, algorithm, prompts, max_new=MAX_NEW, profile="off"):
             "--speculative-policy", "adaptive", "--profile-cost-curve", profile, *AMPLE]
 
 
+class SteadyClock(ProposerProbe):
+    """Also hands the policy step times from a fixed machine (STEP seconds a step, ROW a
+    forward token, DRAFT_ROW a draft row) instead of this one's: under a loaded test run the
+    real times scatter so much that how fast the ladder climbs would depend on the load.
+    The engine, its policy and its ladder run unchanged; only their clock is steady."""
+
+    STEP, ROW, DRAFT_ROW = 0.05, 0.0002, 0.0001
+
+    def install(self) -> None:
+        from dspark_launch.spec.policy import VerifyPolicy
+
+        super().install()
+        original = VerifyPolicy.record_step
+        self._saved.append((VerifyPolicy, "record_step", original))
+
+        def record_step(policy, decode_tokens, forward_tokens, forward_s, draft_rows,
+                        draft_s, base_tokens=None):
+            return original(policy, decode_tokens, forward_tokens,
+                            self.STEP + self.ROW * forward_tokens, draft_rows,
+                            self.DRAFT_ROW * draft_rows, base_tokens)
+
+        VerifyPolicy.record_step = record_step
+
+
 def test_always_wrong_drafter_converges_to_plain_decoding(tiny, tmp_path):
     max_new = 6 * MAX_NEW  # the ladder tries each neighbour a few times before backing off
     full, ref = full_sequences(tiny, tiny.prompts12, max_new)
-    probe = ProposerProbe("dspark_launch.spec.block_drafter", "DFlashProposer", make_drafter,
+    probe = SteadyClock("dspark_launch.spec.block_drafter", "DFlashProposer", make_drafter,
                           full, "garbage")
     job = run_job(tmp_path, "wrong", policy_argv(tiny, "DFLASH", tiny.prompts12, max_new),
                   probe=probe)
@@ -94,7 +118,7 @@ def test_oracle_drafter_verifies_full_blocks(tiny, tmp_path):
                             [{"input_ids": ids} for ids in prompt_ids(tiny.prompts12) * 2])
     max_new = 7 * MAX_NEW  # (and the climb is slower on a loaded machine)
     full, ref = full_sequences(tiny, prompts, max_new)
-    probe = ProposerProbe("dspark_launch.spec.block_drafter", "DFlashProposer", make_oracle,
+    probe = SteadyClock("dspark_launch.spec.block_drafter", "DFlashProposer", make_oracle,
                           full)
     job = run_job(tmp_path, "oracle", [*policy_argv(tiny, "DFLASH", prompts, max_new),
                                        "--max-total-tokens", "16384"], probe=probe)
