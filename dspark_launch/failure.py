@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -89,11 +91,36 @@ def signals_held() -> Iterator[None]:
             raise KeyboardInterrupt
 
 
+REDELIVER_S = 0.05  # a signal swallowed inside a finalizer comes again this much later
+
+
+def _on_unraisable(unraisable) -> None:
+    """Python swallows an exception raised inside a finalizer or __del__ (garbage collection
+    runs them anywhere, loading weights included): it prints the traceback and goes on. A stop
+    signal that lands there would be lost, so it is delivered again a moment later, when the
+    main thread is back in ordinary code, and counts as the signal it was (first or second)."""
+    if not (_received and isinstance(unraisable.exc_value, (Interrupted, KeyboardInterrupt))):
+        _previous_unraisable_hook[0](unraisable)
+        return
+    signum = _received[0]
+    if isinstance(unraisable.exc_value, Interrupted):
+        _received.clear()
+    timer = threading.Timer(REDELIVER_S, os.kill, (os.getpid(), signum))
+    timer.daemon = True
+    timer.start()
+
+
+_previous_unraisable_hook = [sys.__unraisablehook__]  # whoever printed them before
+
+
 def install_signal_handlers() -> None:
     _received.clear()
     _record_only[0] = False
     for sig in STOP_SIGNALS:
         signal.signal(sig, _on_signal)
+    if sys.unraisablehook is not _on_unraisable:
+        _previous_unraisable_hook[0] = sys.unraisablehook
+        sys.unraisablehook = _on_unraisable
 
 
 def record_signals_only() -> None:
