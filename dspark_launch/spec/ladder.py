@@ -19,18 +19,22 @@ that a batch of 4 and one of 16 compare).
 Paired comparisons: this machine's speed drifts by +-15% within seconds, and a cold start is
 slower still, so arms measured at different times do not compare. The ladder plays its current
 arm and keeps a short average of its speed; every few steps it tries a neighbour (the next two
-caps up or down, the same cap with the other mode, plain decoding) for two steps and scores
-the second (the first pays for the switch of shapes) against the current arm's average just
-before it: the log of the ratio, averaged (with forgetting) per arm, with its standard error.
-It moves to a neighbour whose ratio is above 1 + MARGIN by Z standard errors; a neighbour that
-is slower (or ties within the margin) is tried less and less often (its wait doubles, up to
-EXPLORE_MAX), one not yet resolved keeps being tried. After a move the ratios are re-based on
-the new arm (the old one's is the mirror of the one that won, the others' shift by the
-winner's).
+caps up or down, the same cap with the other mode, the top cap, plain decoding) for one step
+and scores it against the current arm's average just before it: the log of the ratio, averaged
+(with forgetting) per arm, with its standard error. It moves to a neighbour whose ratio is
+above 1 + MARGIN by Z standard errors. A neighbour that is slower (or ties within the margin)
+is tried less and less often: its wait doubles (grows 4x when clearly slower), up to
+EXPLORE_MAX, so where nothing pays exploring costs under 1% of the steps. One not yet resolved
+keeps being tried, for PATIENCE tries. A try far off its arm's record (SURPRISE: the machine or
+the batch changed) makes the old tries count less and the arm due again soon. After a move the
+ratios are re-based on the new arm (the old one's is the mirror of the one that won, the
+others' shift by the winner's and count less: they are estimates through it).
 
-It starts at plain decoding, so speculation has to earn its place, and measures the next cap up
-at once; a climb continues in its direction first. Plain decoding neighbours every arm, so the
-ladder can always fall back to it.
+It starts at plain decoding, so speculation has to earn its place, and measures the top cap
+at once: where speculation pays most that is where the ladder ends (at batch 1 greedy a climb
+cap by cap took hundreds of steps), and where it does not the caps below are measured next.
+A climb continues in its direction first. Plain decoding neighbours every arm, so the ladder
+can always fall back to it.
 
 Lossless: the arm of a step is a function of earlier steps' outcomes and times only, fixed
 before any draft of this step exists (a length from past rounds, spec/policy.py).
@@ -43,18 +47,26 @@ from dataclasses import dataclass
 
 CAPS = (0, 1, 2, 3, 4, 6, 8, 12, 16)  # caps tried (those below max_drafts, and max_drafts)
 EXPLORE_EVERY = 4  # steps between tries of one neighbour at first ...
-EXPLORE_MAX = 256  # ... doubling, up to this, while it does not win
+EXPLORE_MAX = 512  # ... doubling, up to this, while it does not win
 TRY_GAP = 3  # steps between two tries of any neighbours (a climb's next cap excepted)
-TRY_STEPS = 2  # steps of one try (its first is not scored: see observe)
 MIN_ROUNDS = 8  # request-rounds a neighbour must have measured before it is judged ...
 MIN_TRIES = 3  # ... over this many steps at least
-PATIENCE = 12  # tries after which an unresolved neighbour is tried less often too
-HALF_LIFE = 4096  # request-rounds (of any arm) after which a try counts half
-BASE_ROUNDS = 32  # request-rounds the current arm's speed is averaged over
+PATIENCE = 6  # tries after which an unresolved neighbour is tried less often too
+HALF_LIFE = 2048  # steps (of any arm) after which a try counts half: four tries of a
+# neighbour that keeps losing (EXPLORE_MAX apart) still count when it is judged
+BASE_ROUNDS = 32  # request-rounds the current arm's speed is averaged over, and ...
+BASE_STEPS = 4  # ... steps at least (at batch 64 one step's scatter misled every try)
 MARGIN = 0.02  # a neighbour must be this much faster to be moved to ...
+TIE = 0.06  # plain decoding within MARGIN / 2 of the current arm, to within this: a tie
+CLEAR = 0.10  # a neighbour slower by this much (with Z standard errors) waits 4x longer
 Z = 2.0  # ... by this many standard errors of its log ratio (judged after every try)
 CLIP = math.log(2.0)  # a try's log ratio counts as at most this (a stalled machine's step)
 NOISE = 0.05  # the least scatter of a try's log ratio (a few tries can look steadier)
+SURPRISE = 3.0  # a try this many scatters off its arm's mean: the machine or batch changed
+# (at two, DFlash at batch 1, T=1, whose rounds commit 1 to 8 tokens by chance, tried its
+# neighbours in 569 of 5495 steps, DSpark, scored by confidences, in 199 of 5587) ...
+SURPRISE_KEEP = 0.25  # ... and what its old tries still count then, or once re-based on a
+# new arm
 PLAIN = 0  # the arm index of plain decoding
 
 
@@ -65,6 +77,8 @@ class Arm:
     # Forgetting sums over its tries t, each of weight w_t (request-rounds) and log ratio y_t
     # (its speed over the current arm's just before):
     rounds: float = 0.0  # sum w
+    seen: float = 0.0  # sum w, never faded: how much it was measured (when to judge it) ...
+    count: int = 0  # ... and over how many tries
     total: float = 0.0  # sum w y
     squares: float = 0.0  # sum w y^2 ...
     weights: float = 0.0  # ... and sum w^2: the mean's standard error
@@ -74,13 +88,16 @@ class Arm:
 
     def observe(self, rounds: int, log_ratio: float) -> None:
         self.rounds += rounds
+        self.seen += rounds
+        self.count += 1
         self.total += rounds * log_ratio
         self.squares += rounds * log_ratio * log_ratio
         self.weights += rounds * rounds
 
     def fade(self, keep: float) -> None:
         """Every step: old tries count less, whichever arm was played (a ratio measured
-        long ago says little of the machine now)."""
+        long ago says little of the machine now). Their mean's standard error stays: fading
+        weighs new tries against old ones, it does not make an arm untried."""
         self.rounds *= keep
         self.total *= keep
         self.squares *= keep
@@ -94,82 +111,88 @@ class Arm:
     def mirror(self, other: Arm) -> None:
         """Take `other`'s tries, negated: A over B is the inverse of B over A."""
         self.rounds, self.weights = other.rounds, other.weights
+        self.seen, self.count = other.seen, other.count
         self.total, self.squares = -other.total, other.squares
-
-    @property
-    def tries(self) -> float:
-        """Effective number of tries (of equal weight) behind the mean."""
-        return self.rounds ** 2 / self.weights if self.weights else 0.0
 
     @property
     def judgeable(self) -> bool:
         """Enough tries to judge: MIN_ROUNDS request-rounds over MIN_TRIES steps or more
         (one step's scatter says nothing of the next's)."""
-        return self.rounds >= MIN_ROUNDS and self.tries >= MIN_TRIES
+        return self.seen >= MIN_ROUNDS and self.count >= MIN_TRIES
 
     @property
     def log_ratio(self) -> float:
         return self.total / self.rounds if self.rounds else 0.0
 
-    def log_error(self) -> float:
+    def scatter(self) -> float:
+        """One try's standard deviation around the mean (at least NOISE)."""
         if not self.rounds:
             return math.inf
-        spread = max(NOISE ** 2, self.squares / self.rounds - self.log_ratio ** 2)
-        return math.sqrt(spread * self.weights) / self.rounds
+        return math.sqrt(max(NOISE ** 2, self.squares / self.rounds - self.log_ratio ** 2))
+
+    def log_error(self) -> float:
+        return self.scatter() * math.sqrt(self.weights) / self.rounds if self.rounds else math.inf
 
 
 class Ladder:
-    """One request class's hill climb over the arms (see the module docstring)."""
+    """The hill climb of one request class and batch size (see the module docstring)."""
 
-    def __init__(self, max_drafts: int) -> None:
-        caps = sorted({c for c in CAPS if c < max_drafts} | {max_drafts})
+    def __init__(self, max_drafts: int, top: int | None = None) -> None:
+        """`top`: the cap every arm neighbours and the ladder measures first (default the
+        largest; see policy.py's top_cap)."""
+        caps = self.caps(max_drafts)
+        self.top = max_drafts if top is None else top
+        assert self.top in caps, f"top cap {self.top} not among {caps}"
         self.arms = [Arm(0, False)] + [Arm(c, m) for c in caps if c for m in (False, True)]
         self.near = [self._neighbours(i) for i in range(len(self.arms))]  # per arm
         self.at = PLAIN  # the current arm: plain decoding until speculation measured faster
         self.base = math.nan  # the current arm's recent speed (the yardstick of every try)
-        self._base_rounds = 0.0
+        self._base_rounds, self._base_steps = 0.0, 0
         self.steps = 0
         self.tries = 0  # steps that tried a neighbour
         self._turn = 0  # which neighbour is tried next
         self._tried = -TRY_GAP  # the step a neighbour was last tried
-        self._run_arm, self._run_left = PLAIN, 0  # the try under way, and its steps to go
-        self._last = PLAIN  # the arm of the last step observed
-        # The arm a climb measures next, at once (from plain decoding: the first cap)
-        self._ahead: int | None = 1 if len(self.arms) > 1 else None
+        # The arm a climb measures next, at once (from plain decoding: the top cap, where
+        # speculation pays most; the caps below are measured next, being young)
+        self._ahead: int | None = next((j for j, a in enumerate(self.arms)
+                                        if a.cap == self.top and a.cap and not a.model), None)
+
+    @staticmethod
+    def caps(max_drafts: int) -> list[int]:
+        """The caps of a ladder for up to max_drafts drafts, plain decoding (0) first."""
+        return sorted({c for c in CAPS if c < max_drafts} | {max_drafts})
 
     @classmethod
     def single(cls, cap: int, model: bool) -> Ladder:
         """One arm, never left (the "model" policy: the cost model alone at the full cap)."""
         ladder = cls(0)
-        ladder.arms, ladder.near = [Arm(cap, model)], [[]]
+        ladder.arms, ladder.near, ladder.top = [Arm(cap, model)], [[]], cap
         ladder._ahead = None
         return ladder
 
     def _neighbours(self, i: int) -> list[int]:
         """Arms one or two caps up or down with the same mode (two: a cap that only ties
-        must not hide the one past it), the same cap with the other mode, and plain
-        decoding (whatever the climb measured on its way, it can always fall back)."""
+        must not hide the one past it), the same cap with the other mode, plain decoding
+        (whatever the climb measured on its way, it can always fall back) and the top cap
+        with the same mode (batch 1 greedy is fastest at the largest, and a climb cap by cap
+        would take hundreds of steps; from plain decoding: both modes)."""
         arm, out = self.arms[i], []
         caps = sorted({a.cap for a in self.arms})
         k = caps.index(arm.cap)
         for j, other in enumerate(self.arms):
             step = abs(caps.index(other.cap) - k)
-            if (step in (1, 2) and (other.model == arm.model or 0 in (arm.cap, other.cap))) \
-                    or (step == 0 and j != i) or (j == PLAIN != i):
+            same = other.model == arm.model or arm.cap == 0
+            if (step in (1, 2) and (same or other.cap == 0)) or (step == 0 and j != i) \
+                    or (j == PLAIN != i) or (other.cap == self.top and same and j != i):
                 out.append(j)
         return out
 
     def pick(self) -> int:
-        """This step's arm: the current one, or (a try of TRY_STEPS steps, then TRY_GAP
-        steps of the current arm at least, once its speed is known) the next neighbour in
-        turn that is due; one not yet measured enough to be judged is due at once, and a
-        climb's next cap is tried at once."""
+        """This step's arm: the current one, or (one step, then TRY_GAP steps of the
+        current arm at least, once its speed is known) the next neighbour in turn that is
+        due; one not yet measured enough to be judged is due at once, and a climb's next
+        cap is tried at once."""
         self.steps += 1
-        if self._run_left:  # a try lasts TRY_STEPS steps: its first one is not scored
-            self._run_left -= 1
-            self.tries += 1
-            self._tried = self.steps
-            return self._run_arm
         if math.isnan(self.base):
             return self.at
         if self._ahead is not None and not self.arms[self._ahead].judgeable:
@@ -186,7 +209,6 @@ class Ladder:
                 arm.due = self.steps + (arm.wait if arm.judgeable else 1)
                 self._tried = self.steps
                 self.tries += 1
-                self._run_arm, self._run_left = j, TRY_STEPS - 1
                 return j
         return self.at
 
@@ -195,25 +217,35 @@ class Ladder:
         expectation) in a step that took `relative_seconds` yardstick steps of them."""
         if rounds <= 0 or not relative_seconds > 0 or committed <= 0:
             return
-        arm, switched, self._last = self.arms[i], i != self._last, i
-        if not arm.warm or switched:
-            # An arm's first step pays one-time costs (allocations, first use), and a step
-            # after a switch pays for the change of shapes: neither is the arm's own speed.
+        arm = self.arms[i]
+        if not arm.warm:
+            # An arm's first step pays one-time costs (allocations, first use): not its
+            # speed. A switch of arms costs nothing measurable after that: the first step of
+            # a try scored 0.002 +- 0.031 (batch 1) and -0.019 +- 0.024 (batch 16) in log
+            # ratio over the step after it (DSpark, 47 and 48 tries), so one step is a try.
             arm.warm = True
             return
         speed = committed / (rounds * relative_seconds)
-        keep = 0.5 ** (rounds / HALF_LIFE)
+        keep = 0.5 ** (1 / HALF_LIFE)
         for other in self.arms:
             other.fade(keep)
         if i == self.at:
-            # A short average (over BASE_ROUNDS request-rounds): the machine's speed now.
+            # A short average (over BASE_ROUNDS request-rounds and BASE_STEPS steps at
+            # least): the machine's speed now.
             self._base_rounds = min(self._base_rounds + rounds, BASE_ROUNDS)
-            w = rounds / self._base_rounds
+            self._base_steps = min(self._base_steps + 1, BASE_STEPS)
+            w = min(rounds / self._base_rounds, 1 / self._base_steps)
             self.base = speed if math.isnan(self.base) else \
                 math.exp((1 - w) * math.log(self.base) + w * math.log(speed))
         elif not math.isnan(self.base) and i in self.near[self.at]:
-            ratio = math.log(speed / self.base)
-            arm.observe(rounds, min(max(ratio, -CLIP), CLIP))
+            ratio = min(max(math.log(speed / self.base), -CLIP), CLIP)
+            if arm.judgeable and abs(ratio - arm.log_ratio) > SURPRISE * arm.scatter():
+                # Far outside its record: the machine, the batch or the prompts changed.
+                # Its old tries count less, and it is measured again soon.
+                arm.fade(SURPRISE_KEEP)
+                arm.wait = EXPLORE_EVERY
+                arm.due = min(arm.due, self.steps + EXPLORE_EVERY)
+            arm.observe(rounds, ratio)
             self._judge(i)
 
     def _judge(self, i: int) -> None:
@@ -221,10 +253,16 @@ class Ladder:
         if not there.judgeable:
             return
         gap, noise = there.log_ratio, Z * there.log_error()
+        if i == PLAIN and gap > -math.log(1 + MARGIN) / 2 and noise < math.log(1 + TIE):
+            # Plain decoding takes a tie: it costs the least CPU and its speed rests on no
+            # estimate, so a drafting arm stays only while it beats plain by the margin (at
+            # T=1 the cost model's arms, which draft little, drifted in on ties at 0.99x).
+            self._move(i)
+            return
         if -noise < gap < noise and noise > math.log(1 + MARGIN):
             # Not resolved yet: measure it more, but less often while it looks like a tie or
             # after many tries (a difference this hard to see is worth little).
-            if abs(gap) < math.log(1 + MARGIN) or there.tries >= PATIENCE:
+            if abs(gap) < math.log(1 + MARGIN) or there.count >= PATIENCE:
                 there.wait = min(2 * there.wait, EXPLORE_MAX)
             return
         if i == self._ahead:
@@ -232,24 +270,30 @@ class Ladder:
         if gap > math.log(1 + MARGIN):
             self._move(i)
         else:
-            # Not faster: tried less often. A tie within the margin costs little either way,
-            # and the current arm keeps it (plain decoding keeps a drafter never accepted).
-            there.wait = min(2 * there.wait, EXPLORE_MAX)
+            # Not faster: tried less often, and far less often when clearly slower (its
+            # tries cost most). A tie within the margin costs little either way, and the
+            # current arm keeps it (plain decoding keeps a drafter never accepted).
+            grow = 4 if gap + noise < math.log(1 - CLEAR) else 2
+            there.wait = min(grow * there.wait, EXPLORE_MAX)
 
     def _move(self, i: int) -> None:
         came_from, there = self.arms[self.at], self.arms[i]
         gap = there.log_ratio
-        for j, arm in enumerate(self.arms):  # ratios re-based on the new arm
-            if j not in (i, self.at):
+        for j, arm in enumerate(self.arms):  # ratios re-based on the new arm: estimates
+            if j not in (i, self.at):  # through the winner's, so the next try counts more
                 arm.shift(-gap)
+                arm.fade(SURPRISE_KEEP)
         came_from.mirror(there)
-        there.rounds = there.total = there.squares = there.weights = 0.0
+        there.rounds = there.total = there.squares = there.weights = there.seen = 0.0
+        there.count = 0
         self.base *= math.exp(gap)
-        self._base_rounds = 0.0
+        self._base_rounds, self._base_steps = 0.0, 0
         self.at = i
-        for j in self.near[i]:  # the new neighbours are tried soon ...
-            self.arms[j].wait = EXPLORE_EVERY
-            self.arms[j].due = min(self.arms[j].due, self.steps + EXPLORE_EVERY)
+        for j in self.near[i]:  # the new neighbours are tried sooner (their ratios to the
+            # new arm are re-based estimates, not measured) ...
+            arm = self.arms[j]
+            arm.wait = max(EXPLORE_EVERY, arm.wait // 4)
+            arm.due = min(arm.due, self.steps + arm.wait)
         # ... and first, at once, the one further in the direction of this move
         self._ahead = next((j for j in self.near[i] if self.arms[j].model ==
                             there.model and (self.arms[j].cap - there.cap) *

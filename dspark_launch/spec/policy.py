@@ -75,6 +75,7 @@ PROBE_EVERY_MAX = 512  # ... doubling, up to this, after each probe that did not
 # Drafting steps between plain ones in a model arm: a plain step now and then (and the first)
 # measures what the model prices drafting against; without it, a drafter that looks good
 # would be priced against a plain step nobody timed (the ladder's own arms need none).
+TOP_COST = 2.0  # a verify step this many plain steps dear at most: the ladder's top cap
 PLAIN_EVERY = 32
 # The plain curve learns from few steps (one in PLAIN_EVERY where drafting pays): each moves
 # it more, and a stall of the machine less.
@@ -253,7 +254,7 @@ class VerifyPolicy:
        DFlash/NGRAM: these are the lengths. DSpark in a model arm: choose() may cut further.
     2. choose(): DSpark, after drafting — calibrated confidences, Algorithm 1 (early stop).
     3. record() each request's outcome, record_step() the measured times (which score the
-       step's arm on its ladder, one per request class).
+       step's arm on its ladder, one per request class and batch size).
 
     Every rank of the group calls it with the same values (tokens, agreed times), so they
     choose the same lengths. In "fixed" mode it only predicts (for the calibration report)."""
@@ -287,7 +288,7 @@ class VerifyPolicy:
         # at different times are scored alike (a learned curve would move under them).
         self.reference = CostCurve(list(curve.tokens), list(curve.seconds))
         self._since_plain = PLAIN_EVERY  # drafting steps planned since the last plain one
-        self.ladders: dict[str, Ladder] = {}  # per request class (adaptive)
+        self.ladders: dict[str, Ladder] = {}  # per request class and batch size
         self._model = True  # this step's lengths are the cost model's (choose() may cut)
         # The step being planned, and the one before it: its times arrive in record_step()
         # after the next step was planned.
@@ -322,13 +323,20 @@ class VerifyPolicy:
         return lengths
 
     def _ladder(self, classes: Sequence[str]) -> Ladder:
-        """The ladder of the step's majority class (greedy and sampled rounds accept drafts
-        at different rates, so each class climbs its own)."""
+        """The ladder of the step's majority class and batch size, in powers of two (greedy
+        and sampled rounds accept drafts at different rates, and verify rows cost more, next
+        to a plain step, the more requests share it). One ladder for every size climbed to
+        the top cap in a run's tail (a few requests left) and started the next run there at
+        batch 64, where the top cap ran at 0.65x plain decoding."""
         cls = Counter(classes).most_common(1)[0][0]
-        if cls not in self.ladders:
-            self.ladders[cls] = (Ladder(self.positions) if self.mode == "adaptive"
+        size = 1 << (len(classes).bit_length() - 1)
+        key = f"{cls}, batch {size}" + (f"-{2 * size - 1}" if size > 1 else "")
+        if key not in self.ladders:
+            self.ladders[key] = (Ladder(self.positions, top_cap(self.reference, size,
+                                                                self.positions))
+                                 if self.mode == "adaptive"
                                  else Ladder.single(self.positions, model=True))
-        return self.ladders[cls]
+        return self.ladders[key]
 
     def _model_lengths(self, keys: Sequence[object], classes: Sequence[str],
                        limits: Sequence[int], base_tokens: int) -> list[int]:
@@ -511,6 +519,17 @@ class _Played:
     base_tokens: int
     rounds: int = 0  # requests recorded
     committed: float = 0.0  # tokens they were expected to commit (see record())
+
+
+def top_cap(curve: CostCurve, requests: int, max_drafts: int) -> int:
+    """The largest cap whose verify the start-up profile prices at TOP_COST plain steps of
+    `requests` at most (1 at least): the ladder measures it first and neighbours it from
+    every arm. At batch 1 that is the whole block (1 + 8 rows cost ~1.25 plain steps), at
+    batch 64 one draft (the whole block, 5x a plain step here, ran at 0.65x plain decoding)."""
+    plain = curve.step_seconds(requests)
+    fits = [c for c in Ladder.caps(max_drafts)
+            if c and curve.step_seconds(requests * (1 + c)) <= TOP_COST * plain]
+    return max(fits, default=Ladder.caps(max_drafts)[1])
 
 
 def survival_of(cond: Sequence[float]) -> list[float]:

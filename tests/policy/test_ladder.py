@@ -18,21 +18,22 @@ TOLERANCE = 1 - MARGIN - 0.01
 def peaked(best: int, model_share: float = 0.9):
     """Speed-up unimodal in the cap, highest at `best` drafts; the model's arms slower."""
     def speedup(cap: int, model: bool) -> float:
-        s = 1.0 + 0.2 * cap - 0.1 * cap * cap / best if cap else 1.0
+        s = max(1.0 + 0.2 * cap - 0.1 * cap * cap / best, 0.2) if cap else 1.0
         return s * (model_share if model and cap else 1.0)
     return speedup
 
 
-def closed_loop(ladder: Ladder, speedup, steps: int, seed: int = 0) -> list[tuple[int, bool]]:
-    """Each step: the ladder picks an arm; its requests commit speedup x ROUNDS tokens (+-10%
-    noise) in one plain step's time. Returns the (cap, model) played per step."""
+def closed_loop(ladder: Ladder, speedup, steps: int, seed: int = 0, rounds: int = ROUNDS,
+                noise: float = 0.1) -> list[tuple[int, bool]]:
+    """Each step: the ladder picks an arm; its requests commit speedup x rounds tokens
+    (+-noise) in one plain step's time. Returns the (cap, model) played per step."""
     rng = random.Random(seed)
     played = []
     for _ in range(steps):
         i = ladder.pick()
         arm = ladder.arms[i]
-        ladder.observe(i, ROUNDS, ROUNDS * speedup(arm.cap, arm.model) * rng.uniform(0.9, 1.1),
-                       1.0)
+        ladder.observe(i, rounds, rounds * speedup(arm.cap, arm.model)
+                       * rng.uniform(1 - noise, 1 + noise), 1.0)
         played.append((arm.cap, arm.model))
     return played
 
@@ -78,15 +79,15 @@ def achieved(played: list[tuple[int, bool]], speedup) -> float:
     return sum(speedup(*arm) for arm in played) / len(played)
 
 
-def test_neighbours_are_two_caps_away_the_other_mode_or_plain():
+def test_neighbours_are_two_caps_away_the_other_mode_the_top_or_plain():
     ladder = Ladder(8)
     arms = [(a.cap, a.model) for a in ladder.arms]
     assert arms[PLAIN] == (0, False)
-    assert sorted(arms[j] for j in ladder.near[PLAIN]) == [(1, False), (1, True),
-                                                                 (2, False), (2, True)]
+    assert sorted(arms[j] for j in ladder.near[PLAIN]) == [
+        (1, False), (1, True), (2, False), (2, True), (8, False), (8, True)]
     three = arms.index((3, False))
     assert sorted(arms[j] for j in ladder.near[three]) == [
-        (0, False), (1, False), (2, False), (3, True), (4, False), (6, False)]
+        (0, False), (1, False), (2, False), (3, True), (4, False), (6, False), (8, False)]
     top = arms.index((8, True))
     assert sorted(arms[j] for j in ladder.near[top]) == [(0, False), (4, True),
                                                                (6, True), (8, False)]
@@ -103,3 +104,52 @@ def test_falls_back_to_plain_from_anywhere():
     played = closed_loop(ladder, slower, 5000, seed=2)
     assert ladder.at == PLAIN
     assert achieved(played[-1000:], slower) >= TOLERANCE
+
+
+def test_batch_1_reaches_the_top_cap_within_a_hundred_steps():
+    """One request per step, +-30% scatter (a round at batch 1): where the top cap is fastest
+    the ladder plays it after a few tries, not a climb cap by cap."""
+    top = lambda cap, model: 1.0 + 0.12 * cap  # noqa: E731
+    ladder = Ladder(8)
+    played = closed_loop(ladder, top, 100, rounds=1, noise=0.3)
+    assert ladder.current.cap == 8, Counter(played)
+    # and it stays: over the next 3000 steps, a few tries in 100 of slower arms
+    played = closed_loop(ladder, top, 3000, seed=1, rounds=1, noise=0.3)
+    assert achieved(played[-2000:], top) >= 0.97 * top(8, False), Counter(played[-2000:])
+
+
+def test_exploring_where_nothing_pays_costs_under_one_percent():
+    """Steady state where every arm is 10-40% slower than plain decoding: the tries of the
+    arms that keep losing are spaced out to EXPLORE_MAX steps."""
+    slower = lambda cap, model: 0.9 - 0.05 * cap if cap else 1.0  # noqa: E731
+    ladder = Ladder(8)
+    closed_loop(ladder, slower, 2000)
+    played = closed_loop(ladder, slower, 4000, seed=3)
+    assert ladder.at == PLAIN
+    assert achieved(played, slower) >= 0.99, Counter(played)
+
+
+def test_a_lower_top_cap_is_the_one_measured_first_and_neighboured():
+    ladder = Ladder(8, top=4)
+    arms = [(a.cap, a.model) for a in ladder.arms]
+    assert arms[ladder._ahead] == (4, False)
+    assert sorted(arms[j] for j in ladder.near[PLAIN]) == [
+        (1, False), (1, True), (2, False), (2, True), (4, False), (4, True)]
+    one = arms.index((1, False))
+    assert (4, False) in [arms[j] for j in ladder.near[one]]
+    # the caps above it are still reached by climbing, where they pay
+    closed_loop(ladder, peaked(8), 3000)
+    assert ladder.current.cap >= 6
+
+
+def test_plain_decoding_takes_a_tie():
+    """An arm that only ties plain decoding (the cost model drafting next to nothing) is left
+    for plain decoding, which costs the least; one that beats it by the margin is kept."""
+    for edge, stays in ((0.0, False), (0.05, True)):
+        ladder = Ladder(8)
+        speedup = lambda cap, model, edge=edge: 1.0 + edge if (cap, model) == (1, True) \
+            else (1.0 if cap == 0 else 0.7)  # noqa: E731
+        ladder._move(ladder.arms.index(next(a for a in ladder.arms
+                                              if (a.cap, a.model) == (1, True))))
+        closed_loop(ladder, speedup, 1500, noise=0.02)
+        assert (ladder.at != PLAIN) == stays, (edge, ladder.current)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dspark_launch.spec.cost_curve import CostCurve
-from dspark_launch.spec.policy import PLAIN_EVERY, VerifyPolicy, merge_metrics
+from dspark_launch.spec.policy import PLAIN_EVERY, VerifyPolicy, merge_metrics, top_cap
 
 LIMIT = 7
 REQS = 4
@@ -156,3 +156,27 @@ def test_drafting_factor_learns_what_verify_rows_really_cost():
     # per-request estimates differ
     assert set(drafting(with_factor[100:])) <= {2 * REQS - 1, 2 * REQS}
     assert set(drafting(without[100:])) <= {3 * REQS - 1, 3 * REQS}
+
+
+def test_top_cap_is_the_largest_verify_the_profile_prices_at_two_plain_steps():
+    # A step of n tokens costs 1 + 0.05 (n - 1): a plain step of r requests costs
+    # 1 + 0.05 (r - 1), a verify of cap c 1 + 0.05 (r (1 + c) - 1). Two plain steps at most:
+    # r (1 + c) <= 2 r + 19, so c <= 1 + 19 / r (every cap up to 8 at r <= 2).
+    curve = CostCurve([1, 1024], [1.0, 1.0 + 1023 * 0.05])
+    caps = (1, 2, 3, 4, 6, 8)
+    for r in (1, 2, 4, 8, 16, 32, 64):
+        expected = max(c for c in caps if c <= 1 + 19 / r)
+        assert top_cap(curve, r, 8) == expected, r
+    assert top_cap(CostCurve([1, 2], [1.0, 100.0]), 16, 8) == 1  # never below one draft
+
+
+def test_each_batch_size_has_its_own_ladder():
+    """Batch 64 and a run's tail of 3 requests climb apart: the best cap differs."""
+    policy = VerifyPolicy("adaptive", CostCurve([1, 1024], [1.0, 1.0 + 1023 * 0.05]),
+                          CostCurve([1, 8], [0.2, 0.3]), LIMIT)
+    for n in (64, 3, 64, 2, 1):
+        policy.plan(list(range(n)), ["greedy"] * n, [LIMIT] * n, n)
+    assert sorted(policy.ladders) == ["greedy, batch 1", "greedy, batch 2-3",
+                                      "greedy, batch 64-127"]
+    assert policy.ladders["greedy, batch 64-127"].top == top_cap(policy.reference, 64, LIMIT)
+    assert policy.ladders["greedy, batch 1"].top == LIMIT
