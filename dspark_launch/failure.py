@@ -14,11 +14,11 @@
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -57,15 +57,16 @@ _record_only = [False]  # while a rank is already stopping: remember signals, ne
 
 
 def _on_signal(signum: int, _frame) -> None:
+    lost, _lost[0] = _lost[0], None  # this one stands in for a signal a finalizer swallowed
     if _record_only[0]:
         _received[:] = _received or [signum]
         return
-    if _received:  # a second signal: stop waiting for the step boundary
+    if _received and lost != "first":  # a second signal: stop waiting for the step boundary
         if _holding[0]:
             _holding[1] = True  # raised when the held write is whole
             return
         raise KeyboardInterrupt
-    _received.append(signum)
+    _received[:] = _received or [signum]
     if progress.phase != "decode":
         # Loading or allocating: stop now. The other ranks got the signal too (torchrun sends
         # it to every worker), or learn of it in the roll call when this rank's sockets close.
@@ -98,16 +99,25 @@ def _on_unraisable(unraisable) -> None:
     """Python swallows an exception raised inside a finalizer or __del__ (garbage collection
     runs them anywhere, loading weights included): it prints the traceback and goes on. A stop
     signal that lands there would be lost, so it is delivered again a moment later, when the
-    main thread is back in ordinary code, and counts as the signal it was (first or second)."""
+    main thread is back in ordinary code, and counts as the signal it was (first or second);
+    a signal that arrives meanwhile takes its place."""
     if not (_received and isinstance(unraisable.exc_value, (Interrupted, KeyboardInterrupt))):
         _previous_unraisable_hook[0](unraisable)
         return
-    signum = _received[0]
-    if isinstance(unraisable.exc_value, Interrupted):
-        _received.clear()
-    timer = threading.Timer(REDELIVER_S, os.kill, (os.getpid(), signum))
-    timer.daemon = True
-    timer.start()
+    _lost[0] = "first" if isinstance(unraisable.exc_value, Interrupted) else "second"
+    # A bare thread: threading's own locks may be held by the code GC interrupted. At
+    # interpreter shutdown none starts, and there is nothing left to stop.
+    with contextlib.suppress(RuntimeError):
+        _thread.start_new_thread(_redeliver, (_received[0],))
+
+
+def _redeliver(signum: int) -> None:
+    time.sleep(REDELIVER_S)
+    if _lost[0] is not None:
+        os.kill(os.getpid(), signum)
+
+
+_lost: list[str | None] = [None]  # a stop signal a finalizer swallowed: "first" / "second"
 
 
 _previous_unraisable_hook = [sys.__unraisablehook__]  # whoever printed them before
@@ -115,7 +125,7 @@ _previous_unraisable_hook = [sys.__unraisablehook__]  # whoever printed them bef
 
 def install_signal_handlers() -> None:
     _received.clear()
-    _record_only[0] = False
+    _record_only[0], _lost[0] = False, None
     for sig in STOP_SIGNALS:
         signal.signal(sig, _on_signal)
     if sys.unraisablehook is not _on_unraisable:

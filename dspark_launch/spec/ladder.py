@@ -22,9 +22,9 @@ arm and keeps a short average of its speed; every few steps it tries a neighbour
 caps up or down, the same cap with the other mode, the top cap, plain decoding) for one step
 and scores it against the current arm's average just before it: the log of the ratio, averaged
 (with forgetting) per arm, with its standard error. It moves to a neighbour whose ratio is
-above 1 + MARGIN by Z standard errors. A neighbour that is slower (or ties within the margin)
+above 1 + MARGIN and 1 by Z standard errors. A neighbour that is slower (or ties within the margin)
 is tried less and less often: its wait doubles (grows 4x when clearly slower), up to
-EXPLORE_MAX, so where nothing pays exploring costs under 1% of the steps. One not yet resolved
+EXPLORE_MAX, so where nothing pays exploring costs under 1% of the speed. One not yet resolved
 keeps being tried, for PATIENCE tries. A try far off its arm's record (SURPRISE: the machine or
 the batch changed) makes the old tries count less and the arm due again soon. After a move the
 ratios are re-based on the new arm (the old one's is the mirror of the one that won, the
@@ -36,8 +36,9 @@ cap by cap took hundreds of steps), and where it does not the caps below are mea
 A climb continues in its direction first. Plain decoding neighbours every arm, so the ladder
 can always fall back to it.
 
-Lossless: the arm of a step is a function of earlier steps' outcomes and times only, fixed
-before any draft of this step exists (a length from past rounds, spec/policy.py).
+Lossless: the arm of a step is a function of earlier steps' outcomes and times only (and
+which ladder plays it, of the step's requests: their class and number), fixed before any draft
+of this step exists (a length from past rounds, spec/policy.py).
 """
 
 from __future__ import annotations
@@ -189,14 +190,15 @@ class Ladder:
 
     def pick(self) -> int:
         """This step's arm: the current one, or (one step, then TRY_GAP steps of the
-        current arm at least, once its speed is known) the next neighbour in turn that is
-        due; one not yet measured enough to be judged is due at once, and a climb's next
-        cap is tried at once."""
+        current arm at least, once its speed is averaged over BASE_STEPS steps) the next
+        neighbour in turn that is due; one not yet measured enough to be judged is due at
+        once, and a climb's next cap is tried at once."""
         self.steps += 1
-        if math.isnan(self.base):
-            return self.at
+        if self._base_steps < BASE_STEPS:  # no yardstick yet: tries would share one step's
+            return self.at  # scatter (since the start, or a move)
         if self._ahead is not None and not self.arms[self._ahead].judgeable:
             self.tries += 1
+            self._tried = self.steps
             return self._ahead
         if self.steps - self._tried <= TRY_GAP:
             return self.at
@@ -294,10 +296,12 @@ class Ladder:
             arm = self.arms[j]
             arm.wait = max(EXPLORE_EVERY, arm.wait // 4)
             arm.due = min(arm.due, self.steps + arm.wait)
-        # ... and first, at once, the one further in the direction of this move
-        self._ahead = next((j for j in self.near[i] if self.arms[j].model ==
-                            there.model and (self.arms[j].cap - there.cap) *
-                            (there.cap - came_from.cap) > 0), None)
+        # ... and first, at once, the next cap further in the direction of this move
+        further = [j for j in self.near[i] if self.arms[j].model == there.model and
+                   self.arms[j].cap and (self.arms[j].cap - there.cap) *
+                   (there.cap - came_from.cap) > 0]
+        self._ahead = min(further, key=lambda j: abs(self.arms[j].cap - there.cap),
+                          default=None)
 
     @property
     def current(self) -> Arm:

@@ -72,10 +72,10 @@ from dspark_launch.spec.ladder import PLAIN, Ladder
 POLICIES = ("adaptive", "model", "fixed")
 PROBE_EVERY = 32  # steps without drafting before one probe step (see VerifyPolicy.plan) ...
 PROBE_EVERY_MAX = 512  # ... doubling, up to this, after each probe that did not pay
+TOP_COST = 2.0  # a verify step this many plain steps dear at most: the ladder's top cap
 # Drafting steps between plain ones in a model arm: a plain step now and then (and the first)
 # measures what the model prices drafting against; without it, a drafter that looks good
 # would be priced against a plain step nobody timed (the ladder's own arms need none).
-TOP_COST = 2.0  # a verify step this many plain steps dear at most: the ladder's top cap
 PLAIN_EVERY = 32
 # The plain curve learns from few steps (one in PLAIN_EVERY where drafting pays): each moves
 # it more, and a stall of the machine less.
@@ -329,8 +329,9 @@ class VerifyPolicy:
         the top cap in a run's tail (a few requests left) and started the next run there at
         batch 64, where the top cap ran at 0.65x plain decoding."""
         cls = Counter(classes).most_common(1)[0][0]
-        size = 1 << (len(classes).bit_length() - 1)
-        key = f"{cls}, batch {size}" + (f"-{2 * size - 1}" if size > 1 else "")
+        size = 1 << (len(classes) - 1).bit_length()  # 1, 2, 3-4, 5-8, ..., 33-64: a full
+        # batch of 64 and the 63 left for a step when one finishes play the same ladder
+        key = f"{cls}, batch " + (f"{size // 2 + 1}-{size}" if size > 2 else f"{size}")
         if key not in self.ladders:
             self.ladders[key] = (Ladder(self.positions, top_cap(self.reference, size,
                                                                 self.positions))
@@ -529,7 +530,7 @@ def top_cap(curve: CostCurve, requests: int, max_drafts: int) -> int:
     plain = curve.step_seconds(requests)
     fits = [c for c in Ladder.caps(max_drafts)
             if c and curve.step_seconds(requests * (1 + c)) <= TOP_COST * plain]
-    return max(fits, default=Ladder.caps(max_drafts)[1])
+    return max(fits) if fits else min(1, max_drafts)
 
 
 def survival_of(cond: Sequence[float]) -> list[float]:

@@ -174,9 +174,9 @@ def test_each_batch_size_has_its_own_ladder():
     """Batch 64 and a run's tail of 3 requests climb apart: the best cap differs."""
     policy = VerifyPolicy("adaptive", CostCurve([1, 1024], [1.0, 1.0 + 1023 * 0.05]),
                           CostCurve([1, 8], [0.2, 0.3]), LIMIT)
-    for n in (64, 3, 64, 2, 1):
+    for n in (64, 3, 63, 2, 1, 33, 4):
         policy.plan(list(range(n)), ["greedy"] * n, [LIMIT] * n, n)
-    assert sorted(policy.ladders) == ["greedy, batch 1", "greedy, batch 2-3",
-                                      "greedy, batch 64-127"]
-    assert policy.ladders["greedy, batch 64-127"].top == top_cap(policy.reference, 64, LIMIT)
+    assert sorted(policy.ladders) == ["greedy, batch 1", "greedy, batch 2",
+                                      "greedy, batch 3-4", "greedy, batch 33-64"]
+    assert policy.ladders["greedy, batch 33-64"].top == top_cap(policy.reference, 64, LIMIT)
     assert policy.ladders["greedy, batch 1"].top == LIMIT
