@@ -10,11 +10,11 @@ through the draft block it implies. So the policy measures what each choice real
 
 An arm is (cap, model): every request verifies at most `cap` drafts; with `model` the cost
 model decides within the cap (Algorithm 1 and best_prefix), without it every request verifies
-the cap (cap 0: plain decoding). A step's speed is the tokens its requests committed (DSpark:
-were expected to commit, from the head's calibrated confidences in the drafts verified: a
-round's tokens scatter too much to compare arms at batch 1) per request-round, over its
-seconds in units of a yardstick step of those tokens (the start-up profile, never refined, so
-that a batch of 4 and one of 16 compare).
+the cap (cap 0: plain decoding). A step's speed is the tokens its requests committed (for
+every drafter: DSpark's confidences overstated what deep caps and sampled rounds commit, see
+VerifyPolicy.record) per request-round, over its seconds in units of a yardstick step of
+those tokens (the start-up profile, never refined, so that a batch of 4 and one of 16
+compare).
 
 Paired comparisons: this machine's speed drifts by +-15% within seconds, and a cold start is
 slower still, so arms measured at different times do not compare. The ladder plays its current
@@ -50,7 +50,7 @@ CAPS = (0, 1, 2, 3, 4, 6, 8, 12, 16)  # caps tried (those below max_drafts, and 
 EXPLORE_EVERY = 4  # steps between tries of one neighbour at first ...
 EXPLORE_MAX = 512  # ... doubling, up to this, while it does not win
 TRY_GAP = 3  # steps between two tries of any neighbours (a climb's next cap excepted)
-MIN_ROUNDS = 8  # request-rounds a neighbour must have measured before it is judged ...
+MIN_ROUNDS = 16  # request-rounds a neighbour must have measured before it is judged ...
 MIN_TRIES = 3  # ... over this many steps at least
 PATIENCE = 6  # tries after which an unresolved neighbour is tried less often too
 HALF_LIFE = 2048  # steps (of any arm) after which a try counts half: four tries of a
@@ -215,8 +215,8 @@ class Ladder:
         return self.at
 
     def observe(self, i: int, rounds: int, committed: float, relative_seconds: float) -> None:
-        """One step played with arm i: `rounds` requests committed `committed` tokens (in
-        expectation) in a step that took `relative_seconds` yardstick steps of them."""
+        """One step played with arm i: `rounds` requests committed `committed` tokens in a
+        step that took `relative_seconds` yardstick steps of them."""
         if rounds <= 0 or not relative_seconds > 0 or committed <= 0:
             return
         arm = self.arms[i]

@@ -435,16 +435,14 @@ class VerifyPolicy:
         m.lengths[verified] += 1
         surv = self._survival.get(key)
         if self._played is not None:
-            # DSpark: the ladder scores the tokens this round was expected to commit (the
-            # head's calibrated, corrected confidences in these very drafts) rather than the
-            # tokens it committed: a round commits 1 to 9 tokens by chance, which would take
-            # the ladder a thousand rounds per arm to average out at batch 1. DFlash/NGRAM
-            # estimates are past rates shrunk towards an optimistic prior (they would make a
-            # drafter never accepted look worth trying): their rounds count as committed.
+            # The ladder scores the tokens committed, not the tokens expected: DSpark's
+            # confidences overstate deep positions and sampled rounds (scored on them, batch
+            # 16 greedy climbed to caps that ran at 1.01x plain decoding where cap 4 ran
+            # 1.2x, and batch 1 at T=1 left plain decoding for 0.72x), and DFlash/NGRAM
+            # estimates lean on an optimistic prior. A round's 1 to 9 tokens scatter, but
+            # the top cap is measured first, and where it pays it pays by far.
             self._played.rounds += 1
-            self._played.committed += 1 + (sum(surv[:verified])
-                                           if self.confidence and surv is not None
-                                           else accepted)
+            self._played.committed += 1 + accepted
         self._accepted = self._accepted or accepted > 0
         self.tracker.observe(key, cls, verified, accepted)
         if surv is None:
@@ -519,7 +517,7 @@ class _Played:
     arm: int  # index into ladder.arms
     base_tokens: int
     rounds: int = 0  # requests recorded
-    committed: float = 0.0  # tokens they were expected to commit (see record())
+    committed: float = 0.0  # tokens they committed (see record())
 
 
 def top_cap(curve: CostCurve, requests: int, max_drafts: int) -> int:
