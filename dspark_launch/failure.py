@@ -54,6 +54,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 _record_only = [False]  # while a rank is already stopping: remember signals, never raise
+_lost: list[str | None] = [None]  # a stop signal a finalizer swallowed: "first" / "second"
 
 
 def _on_signal(signum: int, _frame) -> None:
@@ -115,9 +116,6 @@ def _redeliver(signum: int) -> None:
     time.sleep(REDELIVER_S)
     if _lost[0] is not None:
         os.kill(os.getpid(), signum)
-
-
-_lost: list[str | None] = [None]  # a stop signal a finalizer swallowed: "first" / "second"
 
 
 _previous_unraisable_hook = [sys.__unraisablehook__]  # whoever printed them before

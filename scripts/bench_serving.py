@@ -33,6 +33,7 @@ from dspark_launch.engine.build import ASSETS, EngineArgs, build_engine
 from dspark_launch.engine.inputs import BUILTIN_PROMPTS
 from dspark_launch.engine.params import SamplingParams
 from dspark_launch.engine.request import RequestSpec
+from dspark_launch.spec.policy import POLICIES
 
 
 def load_prompts(path: str, n: int) -> list[str]:
@@ -188,8 +189,7 @@ def main() -> None:
     ap.add_argument("--algorithms", nargs="+", default=["NONE", "NGRAM", "DFLASH", "DSPARK"])
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=None)
-    ap.add_argument("--speculative-policy", choices=("adaptive", "model", "fixed"),
-                    default="adaptive",
+    ap.add_argument("--speculative-policy", choices=POLICIES, default="adaptive",
                     help="verify-length policy of every speculative algorithm")
     ap.add_argument("--kv-cache-memory", default="256MiB")
     ap.add_argument("--attention-backend", default="auto")

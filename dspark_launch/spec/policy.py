@@ -523,8 +523,9 @@ class _Played:
 def top_cap(curve: CostCurve, requests: int, max_drafts: int) -> int:
     """The largest cap whose verify the start-up profile prices at TOP_COST plain steps of
     `requests` at most (1 at least): the ladder measures it first and neighbours it from
-    every arm. At batch 1 that is the whole block (1 + 8 rows cost ~1.25 plain steps), at
-    batch 64 one draft (the whole block, 5x a plain step here, ran at 0.65x plain decoding)."""
+    every arm. On this machine's profile that is the whole block at batch 1 (1 + 8 rows cost
+    ~1.25 plain steps) and two drafts at batch 64 (the whole block, 5x a plain step there,
+    ran at 0.65x plain decoding)."""
     plain = curve.step_seconds(requests)
     fits = [c for c in Ladder.caps(max_drafts)
             if c and curve.step_seconds(requests * (1 + c)) <= TOP_COST * plain]
