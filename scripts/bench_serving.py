@@ -110,27 +110,39 @@ def run_concurrent(engine, prompts: list[list[int]], batch: int, params: Samplin
     return run_interleaved({"one": engine}, prompts, batch, params, first_index)["one"]
 
 
-TURN_STEPS = 32  # steps an engine runs before the next one takes its turn
+# An engine runs this many seconds (one step at least) before the next takes its turn: turns
+# of equal time, not of a fixed step count (32 steps were 0.25 s at batch 1, 1 s at batch 64).
+# A turn's first steps find the CPU caches cold, and a drafting engine, with its draft model
+# and draft pool, has more to reload: at batch 16 greedy, DFlash verifying 2 drafts ran 0.98x
+# plain decoding in turns of 0.1 s and 1.06x in turns of 1 s (plain DFlash 0.98x and 0.99x),
+# and a lone engine is always warm. Longer turns average a drifting machine over fewer turns.
+TURN_S = 1.0
 
 
 def run_interleaved(engines: dict, prompts: list[list[int]], batch: int,
-                    params: SamplingParams, first_index: int) -> dict[str, dict]:
-    """Every engine runs the same prompts, taking turns of TURN_STEPS steps: a slow spell of
+                    params: SamplingParams, first_index: int, turn_s: float = TURN_S
+                    ) -> dict[str, dict]:
+    """Every engine runs the same prompts, taking turns of `turn_s` seconds: a slow spell of
     a shared machine lands on all of them alike (runs of a few seconds one after another
     differed by +-15% here), while each turn keeps its engine's weights in the CPU caches as
-    a lone engine would (turns of one step made every step read them from memory).
+    a lone engine would (turns of one step made every step read them from memory). The
+    order of turns rotates by one engine every round, so none always follows the same one.
     Each engine's requests get their own indices."""
     gens = {name: drive(engine, prompts, batch, params, first_index + k * len(prompts))
             for k, (name, engine) in enumerate(engines.items())}
     results: dict[str, dict] = {}
-    while gens:
-        for name in list(gens):
+    order = list(gens)
+    while order:
+        for name in list(order):
+            end = time.perf_counter() + turn_s
             try:
-                for _ in range(TURN_STEPS):
+                next(gens[name])
+                while time.perf_counter() < end:
                     next(gens[name])
             except StopIteration as stop:
                 results[name] = stop.value
-                del gens[name]
+                order.remove(name)
+        order = order[1:] + order[:1]
     return {name: results[name] for name in engines}
 
 
@@ -213,6 +225,15 @@ def main() -> None:
     ladders: dict[str, dict] = {}  # batch -> algorithm -> the verify ladders at the end
     try:
         for batch in args.batches:
+            # The first engine built was 1.1-2.4% slower than identical copies built after
+            # it, however the turns ran (three NONE engines, batch 1 and 64); with one more
+            # engine built before them and kept, the three agreed within 0.5%. So a spare
+            # engine takes that place, and NONE is measured like every other engine.
+            spare = build_engine(EngineArgs(
+                model=args.model, speculative_algorithm="NONE",
+                attention_backend=args.attention_backend,
+                kv_cache_memory=parse_bytes(args.kv_cache_memory),
+                max_running_requests=batch, disable_mixed_chunk=True))
             engines = {}
             for algorithm in args.algorithms:
                 draft = {"DFLASH": args.dflash, "DSPARK": args.dspark}.get(algorithm)
@@ -240,7 +261,7 @@ def main() -> None:
             ladders[f"batch {batch}"] = {name: engine.policy.report()["ladders"]
                                          for name, engine in engines.items()
                                          if getattr(engine, "policy", None) is not None}
-            for engine in engines.values():
+            for engine in [*engines.values(), spare]:
                 engine.shutdown()
     finally:
         destroy_parallel_runtime()

@@ -34,7 +34,9 @@ It starts at plain decoding, so speculation has to earn its place, and measures 
 at once: where speculation pays most that is where the ladder ends (at batch 1 greedy a climb
 cap by cap took hundreds of steps), and where it does not the caps below are measured next.
 A climb continues in its direction first. Plain decoding neighbours every arm, so the ladder
-can always fall back to it.
+can always fall back to it. A fixed cap whose first tries ran far below the current arm, as the
+policy predicts it would (this run's acceptance rates and the start-up profile), backs off as
+a judged clear loser does, without the tries a judgement takes.
 
 Lossless: the arm of a step is a function of earlier steps' outcomes and times only (and
 which ladder plays it, of the step's requests: their class and number), fixed before any draft
@@ -44,6 +46,7 @@ of this step exists (a length from past rounds, spec/policy.py).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 CAPS = (0, 1, 2, 3, 4, 6, 8, 12, 16)  # caps tried (those below max_drafts, and max_drafts)
@@ -69,6 +72,13 @@ SURPRISE = 3.0  # a try this many scatters off its arm's mean: the machine or ba
 SURPRISE_KEEP = 0.25  # ... and what its old tries still count then, or once re-based on a
 # new arm
 PLAIN = 0  # the arm index of plain decoding
+# A neighbour not yet judged whose tries so far AND predicted speed (VerifyPolicy._predictor:
+# this run's acceptance and the start-up profile) are both below this share of the current
+# arm's is not tried when due; it backs off as a clear loser would, until its wait reaches
+# EXPLORE_MAX: at batch 64, T=1, one-step tries of fixed caps ran 0.57-0.67x and took a
+# quarter of a repeat's ~115 steps before the ladder could judge them. Either alone may be
+# wrong (one try scatters; the profile is another machine's moment), so both must agree.
+UNLIKELY = 0.75
 
 
 @dataclass
@@ -188,14 +198,17 @@ class Ladder:
                 out.append(j)
         return out
 
-    def pick(self) -> int:
+    def pick(self, predict: Callable[[Arm], float | None] | None = None) -> int:
         """This step's arm: the current one, or (one step, then TRY_GAP steps of the
         current arm at least, once its speed is averaged over BASE_STEPS steps) the next
         neighbour in turn that is due; one not yet measured enough to be judged is due at
-        once, and a climb's next cap is tried at once."""
+        once, and a climb's next cap is tried at once, unless `predict` (an arm's predicted
+        speed over plain decoding, None: no prediction) makes it unlikely to pay."""
         self.steps += 1
         if self._base_steps < BASE_STEPS:  # no yardstick yet: tries would share one step's
             return self.at  # scatter (since the start, or a move)
+        if self._ahead is not None and self._unlikely(self._ahead, predict):
+            self._ahead = None
         if self._ahead is not None and not self.arms[self._ahead].judgeable:
             self.tries += 1
             self._tried = self.steps
@@ -207,12 +220,27 @@ class Ladder:
             j = near[(self._turn + k) % len(near)]
             arm = self.arms[j]
             if self.steps >= arm.due:
+                if self._unlikely(j, predict):  # a clear loser by prediction: backs off
+                    arm.wait = min(4 * arm.wait, EXPLORE_MAX)
+                    arm.due = self.steps + arm.wait
+                    continue
                 self._turn = (self._turn + k + 1) % len(near)
                 arm.due = self.steps + (arm.wait if arm.judgeable else 1)
                 self._tried = self.steps
                 self.tries += 1
                 return j
         return self.at
+
+    def _unlikely(self, j: int, predict: Callable[[Arm], float | None] | None) -> bool:
+        """Arm j, tried but not judged yet and not yet kept waiting EXPLORE_MAX steps, ran
+        and is predicted below UNLIKELY x the current arm's speed (in the end every arm is
+        judged on its tries alone)."""
+        arm = self.arms[j]
+        if predict is None or arm.judgeable or arm.wait >= EXPLORE_MAX or not arm.rounds \
+                or arm.log_ratio >= math.log(UNLIKELY):
+            return False
+        mine, there = predict(self.current), predict(arm)
+        return mine is not None and there is not None and there < UNLIKELY * mine
 
     def observe(self, i: int, rounds: int, committed: float, relative_seconds: float) -> None:
         """One step played with arm i: `rounds` requests committed `committed` tokens in a

@@ -65,7 +65,7 @@ from dspark_launch.spec.acceptance import (
     apply_temperatures,
 )
 from dspark_launch.spec.cost_curve import CostCurve, profile_points
-from dspark_launch.spec.ladder import PLAIN, Ladder
+from dspark_launch.spec.ladder import PLAIN, Arm, Ladder
 
 # adaptive: the verify ladder (spec/ladder.py) over caps, the cost model one of its modes;
 # model: the cost model alone at the full cap; fixed: every draft is verified.
@@ -306,7 +306,7 @@ class VerifyPolicy:
         if not self.adaptive or not keys:
             return list(limits)
         ladder = self._ladder(classes)
-        arm = ladder.pick()
+        arm = ladder.pick(self._predictor(Counter(classes).most_common(1)[0][0], len(keys)))
         cap, self._model = ladder.arms[arm].cap, ladder.arms[arm].model
         capped = [min(n, cap) for n in limits]
         lengths = (self._model_lengths(keys, classes, capped, base_tokens) if self._model
@@ -338,6 +338,26 @@ class VerifyPolicy:
                                  if self.mode == "adaptive"
                                  else Ladder.single(self.positions, model=True))
         return self.ladders[key]
+
+    def _predictor(self, cls: str, requests: int) -> Callable[[Arm], float | None]:
+        """An arm's predicted speed over plain decoding for `requests` requests of class
+        `cls`: committed tokens per round (1 + the survival of its drafts, this run's rates:
+        optimistic until measured) over its step's seconds in plain steps (the start-up
+        profile's verify and the draft curve's draft). None for the model's arms, whose
+        lengths it does not know. From past rounds only, like every choice of the ladder."""
+        plain = self.reference.step_seconds(requests)
+
+        def predict(arm: Arm) -> float | None:
+            if arm.model:
+                return None
+            if not arm.cap:
+                return 1.0
+            tokens = 1.0 + sum(survival_of(self.tracker.global_rates(cls)[:arm.cap]))
+            seconds = (self.reference.step_seconds(requests * (1 + arm.cap))
+                       + self.draft_curve.step_seconds(self.draft_rows(requests, arm.cap)))
+            return tokens * plain / seconds
+
+        return predict
 
     def _model_lengths(self, keys: Sequence[object], classes: Sequence[str],
                        limits: Sequence[int], base_tokens: int) -> list[int]:

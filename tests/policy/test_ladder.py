@@ -24,13 +24,14 @@ def peaked(best: int, model_share: float = 0.9):
 
 
 def closed_loop(ladder: Ladder, speedup, steps: int, seed: int = 0, rounds: int = ROUNDS,
-                noise: float = 0.1) -> list[tuple[int, bool]]:
-    """Each step: the ladder picks an arm; its requests commit speedup x rounds tokens
-    (+-noise) in one plain step's time. Returns the (cap, model) played per step."""
+                noise: float = 0.1, predict=None) -> list[tuple[int, bool]]:
+    """Each step: the ladder picks an arm (`predict`: the policy's prediction, if any); its
+    requests commit speedup x rounds tokens (+-noise) in one plain step's time. Returns the
+    (cap, model) played per step."""
     rng = random.Random(seed)
     played = []
     for _ in range(steps):
-        i = ladder.pick()
+        i = ladder.pick(predict)
         arm = ladder.arms[i]
         ladder.observe(i, rounds, rounds * speedup(arm.cap, arm.model)
                        * rng.uniform(1 - noise, 1 + noise), 1.0)
@@ -153,3 +154,36 @@ def test_plain_decoding_takes_a_tie():
                                               if (a.cap, a.model) == (1, True))))
         closed_loop(ladder, speedup, 1500, noise=0.02)
         assert (ladder.at != PLAIN) == stays, (edge, ladder.current)
+
+
+def pessimist(arm) -> float | None:
+    """A prediction that every fixed cap runs at half plain decoding's speed (the model's arms
+    unpredicted)."""
+    return None if arm.model else (0.5 if arm.cap else 1.0)
+
+
+def test_a_predicted_loser_is_not_tried_while_young():
+    """Where the fixed caps lose as predicted, a short run (a repeat at batch 64 is ~120 steps)
+    tries them far less often than one without the prediction."""
+    slower = lambda cap, model: 0.6 if cap else 1.0  # noqa: E731
+    fixed_tries = {}
+    for predict in (None, pessimist):
+        ladder = Ladder(8, top=2)
+        played = closed_loop(ladder, slower, 300, predict=predict)
+        assert ladder.at == PLAIN
+        fixed_tries[predict] = sum(1 for cap, model in played if cap and not model)
+    assert fixed_tries[pessimist] <= fixed_tries[None] // 2, fixed_tries
+    assert fixed_tries[None] >= 6  # judging each of the two fixed caps takes three tries
+
+
+def test_a_wrong_prediction_does_not_keep_a_winner_out():
+    """Fixed caps predicted to lose that in fact run up to 1.3x plain decoding (the model's
+    arms slower still): their tries say otherwise, so the ladder climbs to the best as fast as
+    without the prediction."""
+    speedup = peaked(3, model_share=0.6)
+    for predict in (None, pessimist):
+        ladder = Ladder(8)
+        played = closed_loop(ladder, speedup, 600, predict=predict)
+        best = speedup(3, False)
+        assert speedup(ladder.current.cap, ladder.current.model) >= TOLERANCE * best
+        assert achieved(played[-300:], speedup) >= 0.95 * best, Counter(played[-300:])
