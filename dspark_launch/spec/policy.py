@@ -305,8 +305,9 @@ class VerifyPolicy:
         self._pending, self._played = self._played, None
         if not self.adaptive or not keys:
             return list(limits)
-        ladder = self._ladder(classes)
-        arm = ladder.pick(self._predictor(Counter(classes).most_common(1)[0][0], len(keys)))
+        cls = Counter(classes).most_common(1)[0][0]  # the step's majority class
+        ladder = self._ladder(cls, len(keys))
+        arm = ladder.pick(self._predictor(cls, len(keys)))
         cap, self._model = ladder.arms[arm].cap, ladder.arms[arm].model
         capped = [min(n, cap) for n in limits]
         lengths = (self._model_lengths(keys, classes, capped, base_tokens) if self._model
@@ -322,14 +323,13 @@ class VerifyPolicy:
         self._played = _Played(ladder, arm, base_tokens)
         return lengths
 
-    def _ladder(self, classes: Sequence[str]) -> Ladder:
+    def _ladder(self, cls: str, requests: int) -> Ladder:
         """The ladder of the step's majority class and batch size, in powers of two (greedy
         and sampled rounds accept drafts at different rates, and verify rows cost more, next
         to a plain step, the more requests share it). One ladder for every size climbed to
         the top cap in a run's tail (a few requests left) and started the next run there at
         batch 64, where the top cap ran at 0.65x plain decoding."""
-        cls = Counter(classes).most_common(1)[0][0]
-        size = 1 << (len(classes) - 1).bit_length()  # 1, 2, 3-4, 5-8, ..., 33-64: a full
+        size = 1 << (requests - 1).bit_length()  # 1, 2, 3-4, 5-8, ..., 33-64: a full
         # batch of 64 and the 63 left for a step when one finishes play the same ladder
         key = f"{cls}, batch " + (f"{size // 2 + 1}-{size}" if size > 2 else f"{size}")
         if key not in self.ladders:
