@@ -225,24 +225,21 @@ def main() -> None:
     ladders: dict[str, dict] = {}  # batch -> algorithm -> the verify ladders at the end
     try:
         for batch in args.batches:
-            # The first engine built was 1.1-2.4% slower than identical copies built after
-            # it, however the turns ran (three NONE engines, batch 1 and 64); with one more
-            # engine built before them and kept, the three agreed within 0.5%. So a spare
-            # engine takes that place, and NONE is measured like every other engine.
-            spare = build_engine(EngineArgs(
-                model=args.model, speculative_algorithm="NONE",
-                attention_backend=args.attention_backend,
-                kv_cache_memory=parse_bytes(args.kv_cache_memory),
-                max_running_requests=batch, disable_mixed_chunk=True))
-            engines = {}
-            for algorithm in args.algorithms:
-                draft = {"DFLASH": args.dflash, "DSPARK": args.dspark}.get(algorithm)
-                engines[algorithm] = build_engine(EngineArgs(
-                    model=args.model, draft=draft, speculative_algorithm=algorithm,
+            def build(algorithm: str, batch: int = batch):
+                return build_engine(EngineArgs(
+                    model=args.model, draft={"DFLASH": args.dflash, "DSPARK": args.dspark}.get(
+                        algorithm), speculative_algorithm=algorithm,
                     block_size=args.block_size, attention_backend=args.attention_backend,
                     kv_cache_memory=parse_bytes(args.kv_cache_memory),
                     max_running_requests=batch, speculative_policy=args.speculative_policy,
                     disable_mixed_chunk=True))
+
+            # The first engine built was 1.1-2.4% slower than identical copies built after
+            # it, however the turns ran (three NONE engines, batch 1 and 64); with one more
+            # engine built before them and kept, the three agreed within 0.5%. So a spare
+            # engine takes that place, and NONE is measured like every other engine.
+            spare = build("NONE")
+            engines = {algorithm: build(algorithm) for algorithm in args.algorithms}
             prompts = [engines[args.algorithms[0]].tokenizer.encode(t).ids for t in texts]
             # Repeats outermost and the algorithms next to each other inside one, so a slow
             # spell of a shared machine lands on all of them, not on one algorithm's runs.
