@@ -52,7 +52,8 @@ def load_prompts(path: str, n: int) -> list[str]:
 def drive(engine, prompts: list[list[int]], batch: int, params: SamplingParams,
           first_index: int):
     """All prompts through one engine at a concurrency of `batch` (a new request is added as
-    soon as one finishes; the engine prefills it in a step of its own: disable_mixed_chunk).
+    soon as one finishes; the next step prefills it, in a step of its own:
+    disable_mixed_chunk).
     A generator: it yields after every step, so several engines can take turns step by step
     (run_interleaved); each step's time is its own engine.step() alone. Returns the result."""
     decode_s = prefill_s = 0.0
@@ -69,14 +70,8 @@ def drive(engine, prompts: list[list[int]], batch: int, params: SamplingParams,
                                            params))
 
     add(batch)
-    pending = True
-    while True:
-        if not engine.has_work:  # added requests count once a step has carried them in
-            if not pending:
-                break
-            engine.step()  # no forward: nothing was running
-            pending = False
-            continue
+    pending = True  # added requests count in has_work once a step has carried them in
+    while engine.has_work or pending:
         pending = False
         t0 = time.perf_counter()
         outs = engine.step()
@@ -93,7 +88,7 @@ def drive(engine, prompts: list[list[int]], batch: int, params: SamplingParams,
             outputs[o.index - first_index] = o.output_ids
             rounds += o.accept_lens
         if finished and queue:
-            add(len(finished))  # the next step carries them in; they prefill after it
+            add(len(finished))  # the next step carries them in and prefills them
             pending = True
         yield
     wall = decode_s + prefill_s

@@ -1,16 +1,19 @@
 """The SPMD engine: requests arrive over time; every rank calls step() in lockstep.
 
-One step: schedule -> propose -> exchange -> verify -> accept -> commit (then the step's
-events and outputs). Inside an attn_dp group every rank holds the same requests and sees the
-same tokens, so the group's schedulers agree without messages. Across groups the only
-couplings are the per-step exchange (engine/exchange.py) and the target forward, whose MLP
-gathers every group's tokens: every rank joins it whenever any group has tokens, idle ones with
-none. The host learns a step's results in one device->host copy (spec/transfer.py; a DSpark
-confidence cut adds one read to size the verify), and sends it host values without waiting
-(attention.upload).
+One step: exchange -> schedule -> propose -> verify -> accept -> commit (then the step's
+outputs). The exchange comes first so that a request added between two steps is scheduled in
+the next one (its prefill, or its replacement of a finished request, loses no step).
+
+Inside an attn_dp group every rank holds the same requests and sees the same tokens, so the
+group's schedulers agree without messages. Across groups the only couplings are the per-step
+exchange (engine/exchange.py) and the target forward, whose MLP gathers every group's tokens:
+the groups swap their token counts once the drafts are sized, and every rank joins the
+forward whenever any group has tokens, idle ones with none. The host learns a step's results
+in one device->host copy (spec/transfer.py; a DSpark confidence cut adds one read to size the
+verify), and sends it host values without waiting (attention.upload).
 
 Client calls (add_request, abort) are honoured on rank 0 and are no-ops elsewhere; they reach
-every rank through the next step's exchange.
+every rank through the next step's exchange and join that step.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from dspark_launch.engine.divergence import (
     committed_tokens,
     inject_divergence,
 )
-from dspark_launch.engine.exchange import IDLE_WAIT_S, Flags, Inbox, exchange
+from dspark_launch.engine.exchange import IDLE_WAIT_S, Flags, Inbox, exchange, token_counts
 from dspark_launch.engine.placement import CacheAwarePlacer
 from dspark_launch.engine.request import (
     Request,
@@ -161,9 +164,15 @@ class Engine:
         """One lockstep step on every rank -> the same outputs on every rank: one per request
         (any group) that committed tokens or finished. Idle: returns [] after at most
         IDLE_WAIT_S. Raises Interrupted on every rank when any rank received a signal."""
-        state = get_parallel()
         progress.phase, progress.step = "decode", self.steps
+        flags, events = self._exchange()
         report: list[Request] = []
+        refused: list[RequestOutput] = []
+        for event in events:  # before the schedule: a request added between steps runs now
+            if event[0] == "add":
+                refused += self._place(event[1], event[2])
+            else:
+                report += self._abort_here(event[1])
         plan = self.sched.schedule()
         report += self.sched.take_ended()  # ended by the scheduler (round past the context)
         if plan.empty and self.sched.has_work and (stuck := self._unstick()) is not None:
@@ -174,41 +183,24 @@ class Engine:
         prefill_tokens = sum(n for _, n in plan.prefill)
         tokens = prefill_tokens + sum(1 + w for w in widths)
         self.last_step = StepStats(prefill_tokens, len(plan.decode), tokens, drafted)
-        events: list[tuple] = []
-        if state.rank == 0:
-            idle = not self.live and plan.empty and not report
-            events = self.inbox.take(IDLE_WAIT_S if idle else 0.0)
-        flags, events = exchange(events, tokens, self.sched.has_work,
-                                 commits_digest(self.commits), self._timing)
-        # The ranks of a group must have committed the same tokens last step.
-        check_commits(flags.digests, self.steps - 1, self.commits)
-        if flags.signal:
-            raise Interrupted(flags.signal)
-        self.commits = {}
-        self._learn_step(flags)
-        if any(flags.tokens):
-            inject_fault(state.rank, self.steps)
+        counts = token_counts(tokens)
+        if any(counts):
+            rank = get_parallel().rank
+            inject_fault(rank, self.steps)
             if tokens:
                 reqs = [r for r, _ in plan.prefill] + plan.decode
                 before = [len(r.output_ids) for r in reqs]
-                report += self._verify_and_commit(plan, proposal, widths, flags, t0)
-                inject_divergence(state.rank, self.steps, reqs, before)
+                report += self._verify_and_commit(plan, proposal, widths, counts, t0)
+                inject_divergence(rank, self.steps, reqs, before)
                 self.commits = committed_tokens(reqs, before)
-                t_end = time.perf_counter()
-                forward_s = t_end - t0 - self._draft_s - self._flush_s
+                forward_s = time.perf_counter() - t0 - self._draft_s - self._flush_s
                 self._timing = (micros(forward_s), micros(self._draft_s))
                 self._last_tokens = (sum(1 + w for w in widths), tokens, self._draft_rows,
                                      self._base_tokens(plan))
             else:
-                self._idle_forward(flags)
+                self._idle_forward(counts)
             self.steps += 1
-        refused = []
-        for event in events:
-            if event[0] == "add":
-                refused += self._place(event[1], event[2])
-            else:
-                report += self._abort_here(event[1])
-        outputs = self._gather(report, gather=any(flags.tokens) or bool(events) or flags.work)
+        outputs = self._gather(report, gather=any(counts) or bool(events) or flags.work)
         outputs += refused
         for out in outputs:
             if out.finished and out.index in self.live:
@@ -217,6 +209,23 @@ class Engine:
                 if self.policy is not None:
                     self.policy.forget(out.index)
         return outputs
+
+    def _exchange(self) -> tuple[Flags, list[tuple]]:
+        """The step's first collective: rank 0's client events (waiting up to IDLE_WAIT_S for
+        one when nothing runs anywhere), every rank's signal, digest of last step's commits
+        and last step's times. Raises Interrupted before any work of this step."""
+        events: list[tuple] = []
+        if get_parallel().rank == 0:
+            events = self.inbox.take(0.0 if self.live else IDLE_WAIT_S)
+        flags, events = exchange(events, self.sched.has_work, commits_digest(self.commits),
+                                 self._timing)
+        # The ranks of a group must have committed the same tokens last step.
+        check_commits(flags.digests, self.steps - 1, self.commits)
+        if flags.signal:
+            raise Interrupted(flags.signal)
+        self.commits = {}
+        self._learn_step(flags)
+        return flags, events
 
     # -- schedule helpers
 
@@ -340,7 +349,7 @@ class Engine:
     # -- verify
 
     def _verify_and_commit(self, plan: StepPlan, proposal: Proposal | None, widths: list[int],
-                           flags: Flags, t0: float) -> list[Request]:
+                           counts: list[int], t0: float) -> list[Request]:
         t1 = time.perf_counter()
         reqs = [r for r, _ in plan.prefill] + plan.decode
         q_lens = [n for _, n in plan.prefill] + [1 + w for w in widths]
@@ -348,7 +357,7 @@ class Engine:
                               [r.kv_len for r in reqs], q_lens, "causal", device=self.device)
         ids = self._input_ids(plan, proposal, widths)
         hidden, captured = self.target.forward(ids, meta, self.backend, self.memory.target,
-                                               self.proposer.capture_layer_ids, flags.tokens)
+                                               self.proposer.capture_layer_ids, counts)
         if self.proposer.capture_layer_ids:
             # Every row's context K/V goes into the draft pool, rejected rows too: they sit
             # past the committed length, where the next block overwrites them. When nobody
@@ -440,12 +449,12 @@ class Engine:
                 return True
         return False
 
-    def _idle_forward(self, flags: Flags) -> None:
+    def _idle_forward(self, counts: list[int]) -> None:
         """Join the TP-wide collectives of the target forward with zero tokens."""
         meta = build_metadata(self.space.req_to_token, [], [], [], device=self.device)
         ids = torch.zeros(0, dtype=torch.int64, device=self.device)
         self.target.forward(ids, meta, self.backend, self.memory.target,
-                            self.proposer.capture_layer_ids, flags.tokens)
+                            self.proposer.capture_layer_ids, counts)
 
     # -- events and outputs
 
