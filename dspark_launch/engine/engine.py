@@ -106,6 +106,7 @@ class Engine:
         self.policy = None
         self._draft_s = self._flush_s = 0.0  # this step's draft (and context flush) seconds
         self._draft_rows = 0  # what this step drafted, in the policy's unit (draft_rows)
+        self._dormant = False  # the policy left this step's decode rows out of the context
         self._timing = (0, 0)
         # decode tokens, forward tokens, draft rows, base tokens
         self._last_tokens: tuple[int, int, int, int] | None = None
@@ -273,6 +274,7 @@ class Engine:
         some (or all) requests from drafting this step, from past rounds only."""
         self._draft_s = self._flush_s = 0.0
         self._draft_rows = 0
+        self._dormant = False
         decode = plan.decode
         if not decode or not self.proposer.max_drafts:
             return None, 0
@@ -283,6 +285,7 @@ class Engine:
             limits = self.policy.plan([r.index for r in decode],
                                       [request_class(r) for r in decode], limits,
                                       self._base_tokens(plan))
+            self._dormant = self.policy.dormant
             sub = [i for i, n in enumerate(limits) if n > 0]
             if not sub:
                 return None, 0
@@ -356,15 +359,22 @@ class Engine:
         meta = build_metadata(self.space.req_to_token, [r.slot for r in reqs],
                               [r.kv_len for r in reqs], q_lens, "causal", device=self.device)
         ids = self._input_ids(plan, proposal, widths)
+        prefill_rows = sum(q_lens[:len(plan.prefill)])
+        capture = self.proposer.capture_layer_ids if prefill_rows or not self._dormant else ()
         hidden, captured = self.target.forward(ids, meta, self.backend, self.memory.target,
-                                               self.proposer.capture_layer_ids, counts)
-        if self.proposer.capture_layer_ids:
+                                               capture, counts)
+        if capture:
             # Every row's context K/V goes into the draft pool, rejected rows too: they sit
             # past the committed length, where the next block overwrites them. When nobody
             # drafted, the decode rows are all committed anchors: they may wait (lazily
-            # written before the next draft), so a step that skips drafting costs nothing.
-            defer = sum(q_lens[:len(plan.prefill)]) if not any(widths) else None
-            self.proposer.materialize(captured, meta.positions, meta.out_rows, defer)
+            # written before the next draft), so a step that skips drafting costs nothing;
+            # a dormant step leaves them out (spec/policy.py: WAKE_AHEAD).
+            if self._dormant:
+                self.proposer.materialize(captured[:prefill_rows], meta.positions[:prefill_rows],
+                                          meta.out_rows[:prefill_rows])
+            else:
+                defer = prefill_rows if not any(widths) else None
+                self.proposer.materialize(captured, meta.positions, meta.out_rows, defer)
         firsts = [r.kv_len + n == r.fill_len and not r.output_ids for r, n in plan.prefill]
         layout = LogitRows.of(plan.prefill, firsts, plan.decode, widths)
         first, accept_len, committed = [], [], []

@@ -30,6 +30,10 @@ the batch changed) makes the old tries count less and the arm due again soon. Af
 ratios are re-based on the new arm (the old one's is the mirror of the one that won, the
 others' shift by the winner's and count less: they are estimates through it).
 
+Exploring is paid for: tries are made only while what they lost stays within BUDGET of the
+run's time (plus a small ALLOWANCE), so a drafter that never pays costs at most that, even in
+a short run; a try faster than the current arm refills the budget.
+
 It starts at plain decoding, so speculation has to earn its place, and measures the top cap
 at once: where speculation pays most that is where the ladder ends (at batch 1 greedy a climb
 cap by cap took hundreds of steps), and where it does not the caps below are measured next.
@@ -79,6 +83,13 @@ PLAIN = 0  # the arm index of plain decoding
 # quarter of a repeat's ~115 steps before the ladder could judge them. Either alone may be
 # wrong (one try scatters; the profile is another machine's moment), so both must agree.
 UNLIKELY = 0.75
+# Exploration pays its way: a try is made only while the time tries lost (their seconds times
+# how much slower than the current arm they committed; a faster try counts as a gain) stays
+# within BUDGET of all steps' seconds plus ALLOWANCE yardstick steps. A drafter that never
+# pays then costs at most that, however short the run: at batch 64 a repeat is ~128 steps,
+# and the first tries of each neighbour (0.6x plain decoding there) took 10% of it.
+BUDGET = 0.01
+ALLOWANCE = 6.0
 
 
 @dataclass
@@ -163,6 +174,8 @@ class Ladder:
         self.tries = 0  # steps that tried a neighbour
         self._turn = 0  # which neighbour is tried next
         self._tried = -TRY_GAP  # the step a neighbour was last tried
+        self.elapsed = 0.0  # yardstick steps all scored steps took ...
+        self.spent = 0.0  # ... and what tries lost in them (BUDGET)
         # The arm a climb measures next, at once (from plain decoding: the top cap, where
         # speculation pays most; the caps below are measured next, being young)
         self._ahead: int | None = next((j for j, a in enumerate(self.arms)
@@ -207,6 +220,8 @@ class Ladder:
         self.steps += 1
         if self._base_steps < BASE_STEPS:  # no yardstick yet: tries would share one step's
             return self.at  # scatter (since the start, or a move)
+        if self.spent > BUDGET * self.elapsed + ALLOWANCE:
+            return self.at  # exploring has lost its share: the current arm earns it back
         if self._ahead is not None and self._unlikely(self._ahead, predict):
             self._ahead = None
         if self._ahead is not None and not self.arms[self._ahead].judgeable:
@@ -248,6 +263,10 @@ class Ladder:
         if rounds <= 0 or not relative_seconds > 0 or committed <= 0:
             return
         arm = self.arms[i]
+        speed = committed / (rounds * relative_seconds)
+        self.elapsed += relative_seconds  # a try's first step loses time too (BUDGET)
+        if i != self.at and not math.isnan(self.base):
+            self.spent += relative_seconds * (1 - speed / self.base)
         if not arm.warm:
             # An arm's first step pays one-time costs (allocations, first use): not its
             # speed. A switch of arms costs nothing measurable after that: the first step of
@@ -255,7 +274,6 @@ class Ladder:
             # ratio over the step after it (DSpark, 47 and 48 tries), so one step is a try.
             arm.warm = True
             return
-        speed = committed / (rounds * relative_seconds)
         keep = 0.5 ** (1 / HALF_LIFE)
         for other in self.arms:
             other.fade(keep)
@@ -334,6 +352,17 @@ class Ladder:
     @property
     def current(self) -> Arm:
         return self.arms[self.at]
+
+    def quiet(self, horizon: int) -> bool:
+        """Plain decoding is the current arm and no neighbour is due to be tried (nor let in
+        by the budget) in the next pick or the `horizon` after it: nothing will draft for a
+        while (picks count self.steps up by one; a neighbour never tried is due at once)."""
+        if self.current.cap or self._ahead is not None or not self.near[self.at]:
+            return False
+        # steps (of about one yardstick step each) until the budget lets a try in again
+        held = max(0.0, self.spent - BUDGET * self.elapsed - ALLOWANCE) / BUDGET
+        return all(max(self.arms[j].due, self.steps + held) > self.steps + 1 + horizon
+                   for j in self.near[self.at])
 
     def to_dict(self) -> dict:
         """The current arm, and each neighbour's measured speed over it."""

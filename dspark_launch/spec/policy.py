@@ -43,6 +43,10 @@ any length (accepted drafts equal the target's argmax). A search that looked at 
 candidates and came back (a global argmax over all length vectors) would make {l_r >= j}
 depend on x_j, x_{j+1}, ... — the paper's Appendix A counterexample — hence the early stop.
 
+Dormancy (VerifyPolicy.dormant) leaves some committed rows out of the draft's context: it
+changes the drafts' distribution q, never which drafts are verified nor how, and speculative
+sampling is exact for any q (greedy, for any drafts).
+
 The same argument covers any length computed from past rounds only (the "fixed" policy, the
 ladder's cap and mode, a probe, a plain step kept to time plain decoding, or the DFlash/NGRAM
 decision to skip drafting a request this step), and the draft block's length, which the plan
@@ -80,6 +84,12 @@ PLAIN_EVERY = 32
 # The plain curve learns from few steps (one in PLAIN_EVERY where drafting pays): each moves
 # it more, and a stall of the machine less.
 PLAIN_EMA, PLAIN_OUTLIER = 0.3, 1.3
+# Dormant (plain decoding settled, no try due within this many steps): the engine stops
+# writing the draft's context for committed rows, and resumes this far ahead of the next try
+# so that the try drafts from recent context. A drafter that never pays then costs what its
+# context costs for a few steps in every EXPLORE_MAX (the draft's context projection of every
+# token was 3-5% of the tiny target's forward at batch 16 and 64).
+WAKE_AHEAD = 32
 IDLE_RECHECK = 8  # while nobody drafts, the same requests are re-planned every 8th step
 FACTOR_RATE = 0.2  # EMA weight of one drafting step in VerifyPolicy.drafting_factor ...
 FACTOR_RANGE = (0.5, 3.0)  # ... whose observations are clipped to this range
@@ -193,6 +203,7 @@ class PolicyMetrics:
         self.lengths: Counter[int] = Counter()  # drafts verified per request-round
         self.skipped_drafts = 0  # steps whose draft forward the policy skipped
         self.plain_steps = 0  # ... of which steps kept plain to time plain decoding
+        self.dormant_steps = 0  # steps that left their rows out of the draft's context
         self.rounds = 0
         self.predicted = 0.0  # sum of predicted committed tokens (1 + survival)
         self.realised = 0.0  # sum of accepted drafts + 1
@@ -206,6 +217,7 @@ class PolicyMetrics:
             "chosen_lengths": dict(sorted(self.lengths.items())),
             "skipped_draft_steps": self.skipped_drafts,
             "plain_steps": self.plain_steps,
+            "dormant_steps": self.dormant_steps,
             "rounds": self.rounds,
             "predicted_sum": self.predicted, "realised_sum": self.realised,
             "positions": [{"rounds": n, "predicted_sum": p, "realised_sum": a}
@@ -217,14 +229,15 @@ class PolicyMetrics:
 def merge_metrics(parts: list[dict]) -> dict:
     """One report from every attn_dp group's PolicyMetrics.to_dict(): counts add up."""
     out: dict = {"verified_tokens_per_step": Counter(), "chosen_lengths": Counter(),
-                 "skipped_draft_steps": 0, "plain_steps": 0, "rounds": 0, "predicted_sum": 0.0,
+                 "skipped_draft_steps": 0, "plain_steps": 0, "dormant_steps": 0, "rounds": 0,
+                 "predicted_sum": 0.0,
                  "realised_sum": 0.0, "positions": []}
     for p in parts:
         for key in ("verified_tokens_per_step", "chosen_lengths"):
             out[key].update({int(k): v for k, v in p[key].items()})
-        for key in ("skipped_draft_steps", "plain_steps", "rounds", "predicted_sum",
-                    "realised_sum"):
-            out[key] += p[key]
+        for key in ("skipped_draft_steps", "plain_steps", "dormant_steps", "rounds",
+                    "predicted_sum", "realised_sum"):
+            out[key] += p.get(key, 0)
         for i, pos in enumerate(p["positions"]):
             if i == len(out["positions"]):
                 out["positions"].append({"rounds": 0, "predicted_sum": 0.0, "realised_sum": 0})
@@ -294,6 +307,7 @@ class VerifyPolicy:
         # after the next step was planned.
         self._played: _Played | None = None
         self._pending: _Played | None = None
+        self.dormant = False  # this step drafts nothing and its context may be left out
 
     @property
     def adaptive(self) -> bool:
@@ -303,6 +317,7 @@ class VerifyPolicy:
              base_tokens: int) -> list[int]:
         self._survival = {}
         self._pending, self._played = self._played, None
+        self.dormant = False
         if not self.adaptive or not keys:
             return list(limits)
         cls = Counter(classes).most_common(1)[0][0]  # the step's majority class
@@ -320,6 +335,8 @@ class VerifyPolicy:
         self._since_plain = self._since_plain + 1 if sum(lengths) else 0
         if any(limits) and not sum(lengths):
             self.metrics.skipped_drafts += 1
+        self.dormant = arm == ladder.at and not sum(lengths) and ladder.quiet(WAKE_AHEAD)
+        self.metrics.dormant_steps += self.dormant
         self._played = _Played(ladder, arm, base_tokens)
         return lengths
 
@@ -573,6 +590,6 @@ def format_policy(report: dict) -> str:
             f" vs realised {report['realised_tau']:.2f} over {report['rounds']} rounds; drafts "
             f"verified per round {report['chosen_lengths']}; draft forward skipped in "
             f"{report['skipped_draft_steps']} steps ({report['plain_steps']} of them "
-            f"to time plain decoding)\n"
+            f"to time plain decoding, {report.get('dormant_steps', 0)} dormant)\n"
             f"verified tokens per step {report['verified_tokens_per_step']}\n"
             f"survival per position, predicted/realised: {calib}")

@@ -8,7 +8,9 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from dspark_launch.spec.ladder import MARGIN, PLAIN, Ladder
+import pytest
+
+from dspark_launch.spec.ladder import ALLOWANCE, BUDGET, EXPLORE_MAX, MARGIN, PLAIN, Ladder
 
 ROUNDS = 16  # requests per step
 # An arm within the margin of the best is kept (MARGIN), and neighbours are still tried
@@ -128,6 +130,52 @@ def test_exploring_where_nothing_pays_costs_under_one_percent():
     played = closed_loop(ladder, slower, 4000, seed=3)
     assert ladder.at == PLAIN
     assert achieved(played, slower) >= 0.99, Counter(played)
+
+
+def test_quiet_where_nothing_pays_but_never_just_before_a_try():
+    """Once every neighbour of plain decoding has been judged a loser, the ladder is quiet
+    (the engine leaves the draft's context out) most of the time, and never within the
+    horizon before a step that drafts: each try finds the context of its last steps."""
+    horizon = 32
+    slower = lambda cap, model: 0.9 - 0.05 * cap if cap else 1.0  # noqa: E731
+    ladder = Ladder(8)
+    assert not ladder.quiet(horizon)  # nothing judged yet
+    closed_loop(ladder, slower, 2000)
+    rng = random.Random(5)
+    quiet, played = [], []
+    for _ in range(4000):
+        q = ladder.quiet(horizon)
+        i = ladder.pick()
+        arm = ladder.arms[i]
+        quiet.append(q and i == ladder.at)
+        played.append(arm.cap)
+        ladder.observe(i, ROUNDS, ROUNDS * slower(arm.cap, arm.model) * rng.uniform(0.9, 1.1),
+                       1.0)
+    assert ladder.at == PLAIN
+    # each neighbour, tried once in EXPLORE_MAX steps at most, wakes it for horizon + 1
+    near = len(ladder.near[PLAIN])
+    assert sum(quiet) >= (1 - near * (horizon + 1) / EXPLORE_MAX) * len(quiet), sum(quiet)
+    tries = [t for t, cap in enumerate(played) if cap]
+    assert tries, "the neighbours are still tried now and then"
+    for t in tries:
+        assert not any(quiet[max(0, t - horizon):t]), t
+
+
+@pytest.mark.parametrize("steps", [64, 128, 256, 2000])
+def test_exploring_loses_at_most_its_budget_however_short_the_run(steps):
+    """Every drafting arm at half plain speed (batch 64 with a drafter that never pays): the
+    time its tries lose stays within BUDGET of the run plus ALLOWANCE steps (and the one try
+    that crossed it), in closed form, from the very first step."""
+    half = lambda cap, model: 0.5 if cap else 1.0  # noqa: E731
+    played = closed_loop(Ladder(8), half, steps, noise=0.0)
+    lost = sum(1 - half(*arm) for arm in played)
+    assert lost <= BUDGET * steps + ALLOWANCE + 0.5, Counter(played)
+
+
+def test_a_single_arm_ladder_is_never_quiet():
+    ladder = Ladder.single(8, model=True)
+    closed_loop(ladder, lambda cap, model: 0.5, 200)
+    assert not ladder.quiet(1)
 
 
 def test_a_lower_top_cap_is_the_one_measured_first_and_neighboured():

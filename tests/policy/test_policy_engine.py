@@ -91,6 +91,14 @@ class SteadyClock(ProposerProbe):
         VerifyPolicy.record_step = record_step
 
 
+class DearDrafts(SteadyClock):
+    """A machine where a draft row costs as much as ten forward tokens: each try of a
+    drafter that is never right loses most of a step, so the exploration budget spaces the
+    tries out past the wake-up horizon and the policy can go dormant between them."""
+
+    DRAFT_ROW = 0.002
+
+
 def test_always_wrong_drafter_converges_to_plain_decoding(tiny, tmp_path):
     max_new = 6 * MAX_NEW  # the ladder tries each neighbour a few times before backing off
     full, ref = full_sequences(tiny, tiny.prompts12, max_new)
@@ -109,6 +117,24 @@ def test_always_wrong_drafter_converges_to_plain_decoding(tiny, tmp_path):
     report = job.metrics["speculative_policy"]
     assert report["skipped_draft_steps"] > job.metrics["steps"] // 3
     assert report["realised_tau"] == 1.0  # nothing it verified was ever accepted
+
+
+def test_dormant_once_drafting_never_pays(tiny, tmp_path):
+    """Two long requests and a drafter that is always wrong: once plain decoding has settled
+    and no try is near, steps leave their rows out of the draft's context (dormant), and the
+    outputs are still plain greedy's (the context only shapes the drafts)."""
+    prompts = write_prompts(tmp_path / "p2.jsonl",
+                            [{"input_ids": ids} for ids in prompt_ids(tiny.prompts12)[:2]])
+    max_new = 12 * MAX_NEW
+    full, ref = full_sequences(tiny, prompts, max_new)
+    probe = DearDrafts("dspark_launch.spec.block_drafter", "DFlashProposer", make_drafter,
+                       full, "garbage")
+    job = run_job(tmp_path, "dormant", policy_argv(tiny, "DFLASH", prompts, max_new),
+                  probe=probe)
+    assert job.rcs == [0]
+    assert job.outputs == ref
+    report = job.metrics["speculative_policy"]
+    assert report["dormant_steps"] > 0, report["dormant_steps"]
 
 
 def test_oracle_drafter_verifies_full_blocks(tiny, tmp_path):
@@ -131,6 +157,7 @@ def test_oracle_drafter_verifies_full_blocks(tiny, tmp_path):
     widths = [n for n, _ in rounds]
     up = widths[widths.index(BLOCK - 1):]
     assert up.count(BLOCK - 1) >= 0.6 * len(up) and len(up) >= len(prompt_ids(prompts)), up
+    assert job.metrics["speculative_policy"]["dormant_steps"] == 0
 
 
 @pytest.mark.parametrize("algorithm,world,dp", [
