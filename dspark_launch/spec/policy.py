@@ -90,6 +90,7 @@ PLAIN_EMA, PLAIN_OUTLIER = 0.3, 1.3
 # context costs for a few steps in every EXPLORE_MAX (the draft's context projection of every
 # token was 3-5% of the tiny target's forward at batch 16 and 64).
 WAKE_AHEAD = 32
+CALIBRATION_EVERY = 4  # fixed-cap steps whose estimates are kept for the report: one in 4
 IDLE_RECHECK = 8  # while nobody drafts, the same requests are re-planned every 8th step
 FACTOR_RATE = 0.2  # EMA weight of one drafting step in VerifyPolicy.drafting_factor ...
 FACTOR_RANGE = (0.5, 3.0)  # ... whose observations are clipped to this range
@@ -308,6 +309,7 @@ class VerifyPolicy:
         self._played: _Played | None = None
         self._pending: _Played | None = None
         self.dormant = False  # this step drafts nothing and its context may be left out
+        self._choices = 0  # choose() calls (CALIBRATION_EVERY)
 
     @property
     def adaptive(self) -> bool:
@@ -425,6 +427,12 @@ class VerifyPolicy:
         """The lengths to verify, after drafting. `conf` [R, K]: DSpark's raw c_{r,1..K}
         (None for the others, whose estimates are the tracker's); `draft_rows`: what was drafted
         (Proposer.draft_rows; paid already: a constant in every candidate's price)."""
+        self._choices += 1
+        if self.adaptive and not self._model and self._choices % CALIBRATION_EVERY:
+            # A fixed cap decided in plan(): the estimates only feed the calibration report
+            # and the confidence correction, which a sample of the steps serves as well
+            # (every step's were ~2% of a batch-1 step).
+            return list(limits)
         if conf is not None:
             cal = apply_temperatures(conf, self.temperatures).tolist()  # one device->host copy
             cond = [self.correction.apply(cls, row[:lim])
