@@ -1,7 +1,7 @@
 """Decode-throughput benchmark: algorithms side by side in one run, through the engine API.
 
     python scripts/bench_serving.py [--model DIR --dflash DIR --dspark DIR] [--prompts FILE]
-        [--num-prompts 128] [--batches 16] [--temperatures 0 1] [--repeats 3]
+        [--num-prompts 128] [--batches 16] [--temperatures 0 1] [--repeats 3] [--warmup 1]
         [--algorithms NONE NGRAM DFLASH DSPARK] [--max-new-tokens 64]
         [--out docs/bench/bench_serving.json] [--plot docs/bench/bench_serving.png]
 
@@ -9,8 +9,11 @@ A world of one (tp1, CPU by default, --threads 1). For each algorithm and batch 
 is built; for each temperature and repeat the prompts run at a concurrency of `batch` (a new
 request is added as soon as one finishes, as vLLM's --max-concurrency does; fixed waves that
 drained to their slowest request penalised speculation, whose requests finish at different
-steps), every algorithm's engine taking turns of 32 steps with the others, so the noise of a
-shared machine lands on all of them alike; each step is timed alone. The engine runs with
+steps), every algorithm's engine taking turns of TURN_S (1 s) with the others, so the noise of a
+shared machine lands on all of them alike; each step is timed alone. --warmup passes (default
+one) run first, unmeasured in the table and reported in the JSON: each engine's verify-length
+policy learns online from plain decoding up, once per engine (a server pays it once at
+start-up), and a 128-prompt repeat at batch 64 is only ~128 steps. The engine runs with
 disable_mixed_chunk, so a step prefills or decodes, never both:
 decode tok/s counts only the tokens and wall time of steps that prefilled nothing
 (engine.last_step). Each number is the median of the repeats. Greedy outputs of every
@@ -193,6 +196,9 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[16])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="unmeasured passes over the prompts before the repeats (each "
+                    "engine's policy learns online once, as a server's does at start-up)")
     ap.add_argument("--algorithms", nargs="+", default=["NONE", "NGRAM", "DFLASH", "DSPARK"])
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=None)
@@ -218,6 +224,7 @@ def main() -> None:
     index = 0
     runs: dict[tuple[str, str], list[dict]] = {}  # (group, algorithm) -> one per repeat
     ladders: dict[str, dict] = {}  # batch -> algorithm -> the verify ladders at the end
+    warmups: dict[str, dict] = {}  # group -> algorithm -> each warm-up pass
     try:
         for batch in args.batches:
             def build(algorithm: str, batch: int = batch):
@@ -236,6 +243,23 @@ def main() -> None:
             spare = build("NONE")
             engines = {algorithm: build(algorithm) for algorithm in args.algorithms}
             prompts = [engines[args.algorithms[0]].tokenizer.encode(t).ids for t in texts]
+            # Warm-up passes first, unmeasured in the table (reported in the JSON): the
+            # policy learns online, from plain decoding up, once per engine, as a server
+            # does once at start-up; the repeats then measure the engine as it runs.
+            for rep in range(args.warmup):
+                for temp in args.temperatures:
+                    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=temp)
+                    group = f"batch {batch}, T={temp:g}"
+                    done = run_interleaved(engines, prompts, batch, params, index)
+                    index += len(engines) * len(prompts)
+                    for algorithm, r in done.items():
+                        base = done[args.algorithms[0]]["decode_tok_s"]
+                        warmups.setdefault(group, {}).setdefault(algorithm, []).append(
+                            {k: r[k] for k in ("decode_tok_s", "tau")}
+                            | {"vs_first": r["decode_tok_s"] / base if base else None})
+                        print(f"warm-up {rep} {group} {algorithm:7s} decode "
+                              f"{r['decode_tok_s'] or 0:8.1f} tok/s  tau {r['tau'] or 0:.2f}",
+                              flush=True)
             # Repeats outermost and the algorithms next to each other inside one, so a slow
             # spell of a shared machine lands on all of them, not on one algorithm's runs.
             for rep in range(args.repeats):
@@ -286,12 +310,13 @@ def main() -> None:
             print(f"{group:16s} {name:9s} {r['decode_tok_s'] or 0:10.1f}  {tau:>5}  "
                   f"{r.get('speedup_vs_none', 0):6.2f}x  {r.get('lossless_vs_none', '-')}")
     meta = {"torch_threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
-            "num_prompts": len(texts), "repeats": args.repeats, "model": args.model,
+            "num_prompts": len(texts), "repeats": args.repeats, "warmup": args.warmup,
+            "model": args.model,
             "speculative_policy": args.speculative_policy,
             "statistic": "median of repeats; decode = steps that prefilled nothing"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results,
-                                          "ladders": ladders}, indent=2))
+                                          "warmup": warmups, "ladders": ladders}, indent=2))
     print(f"wrote {args.out}")
     if args.plot:
         plot(results, Path(args.plot))
