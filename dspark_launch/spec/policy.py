@@ -231,14 +231,13 @@ def merge_metrics(parts: list[dict]) -> dict:
     """One report from every attn_dp group's PolicyMetrics.to_dict(): counts add up."""
     out: dict = {"verified_tokens_per_step": Counter(), "chosen_lengths": Counter(),
                  "skipped_draft_steps": 0, "plain_steps": 0, "dormant_steps": 0, "rounds": 0,
-                 "predicted_sum": 0.0,
-                 "realised_sum": 0.0, "positions": []}
+                 "predicted_sum": 0.0, "realised_sum": 0.0, "positions": []}
     for p in parts:
         for key in ("verified_tokens_per_step", "chosen_lengths"):
             out[key].update({int(k): v for k, v in p[key].items()})
         for key in ("skipped_draft_steps", "plain_steps", "dormant_steps", "rounds",
                     "predicted_sum", "realised_sum"):
-            out[key] += p.get(key, 0)
+            out[key] += p[key]
         for i, pos in enumerate(p["positions"]):
             if i == len(out["positions"]):
                 out["positions"].append({"rounds": 0, "predicted_sum": 0.0, "realised_sum": 0})
@@ -598,6 +597,6 @@ def format_policy(report: dict) -> str:
             f" vs realised {report['realised_tau']:.2f} over {report['rounds']} rounds; drafts "
             f"verified per round {report['chosen_lengths']}; draft forward skipped in "
             f"{report['skipped_draft_steps']} steps ({report['plain_steps']} of them "
-            f"to time plain decoding, {report.get('dormant_steps', 0)} dormant)\n"
+            f"to time plain decoding, {report['dormant_steps']} dormant)\n"
             f"verified tokens per step {report['verified_tokens_per_step']}\n"
             f"survival per position, predicted/realised: {calib}")
