@@ -76,6 +76,7 @@ SURPRISE = 3.0  # a try this many scatters off its arm's mean: the machine or ba
 SURPRISE_KEEP = 0.25  # ... and what its old tries still count then, or once re-based on a
 # new arm
 PLAIN = 0  # the arm index of plain decoding
+_KEEP = 0.5 ** (1 / HALF_LIFE)  # what a try still counts one step later
 # A neighbour not yet judged whose tries so far AND predicted speed (VerifyPolicy._predictor:
 # this run's acceptance and the start-up profile) are both below this share of the current
 # arm's is not tried when due; it backs off as a clear loser would, until its wait reaches
@@ -274,9 +275,8 @@ class Ladder:
             # ratio over the step after it (DSpark, 47 and 48 tries), so one step is a try.
             arm.warm = True
             return
-        keep = 0.5 ** (1 / HALF_LIFE)
         for other in self.arms:
-            other.fade(keep)
+            other.fade(_KEEP)
         if i == self.at:
             # A short average (over BASE_ROUNDS request-rounds and BASE_STEPS steps at
             # least): the machine's speed now.

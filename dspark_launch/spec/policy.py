@@ -302,6 +302,7 @@ class VerifyPolicy:
         self.reference = CostCurve(list(curve.tokens), list(curve.seconds))
         self._since_plain = PLAIN_EVERY  # drafting steps planned since the last plain one
         self.ladders: dict[str, Ladder] = {}  # per request class and batch size
+        self._by_size: dict[tuple[str, int], Ladder] = {}  # the same, by (class, size)
         self._model = True  # this step's lengths are the cost model's (choose() may cut)
         # The step being planned, and the one before it: its times arrive in record_step()
         # after the next step was planned.
@@ -321,7 +322,9 @@ class VerifyPolicy:
         self.dormant = False
         if not self.adaptive or not keys:
             return list(limits)
-        cls = Counter(classes).most_common(1)[0][0]  # the step's majority class
+        cls = classes[0]  # the step's majority class (ties: the first met, as most_common)
+        if 2 * classes.count(cls) < len(classes):
+            cls = Counter(classes).most_common(1)[0][0]
         ladder = self._ladder(cls, len(keys))
         arm = ladder.pick(self._predictor(cls, len(keys)))
         cap, self._model = ladder.arms[arm].cap, ladder.arms[arm].model
@@ -349,13 +352,13 @@ class VerifyPolicy:
         batch 64, where the top cap ran at 0.65x plain decoding."""
         size = 1 << (requests - 1).bit_length()  # 1, 2, 3-4, 5-8, ..., 33-64: a full
         # batch of 64 and the 63 left for a step when one finishes play the same ladder
-        key = f"{cls}, batch " + (f"{size // 2 + 1}-{size}" if size > 2 else f"{size}")
-        if key not in self.ladders:
-            self.ladders[key] = (Ladder(self.positions, top_cap(self.reference, size,
-                                                                self.positions))
-                                 if self.mode == "adaptive"
-                                 else Ladder.single(self.positions, model=True))
-        return self.ladders[key]
+        ladder = self._by_size.get((cls, size))
+        if ladder is None:
+            key = f"{cls}, batch " + (f"{size // 2 + 1}-{size}" if size > 2 else f"{size}")
+            ladder = self.ladders[key] = self._by_size[(cls, size)] = (
+                Ladder(self.positions, top_cap(self.reference, size, self.positions))
+                if self.mode == "adaptive" else Ladder.single(self.positions, model=True))
+        return ladder
 
     def _predictor(self, cls: str, requests: int) -> Callable[[Arm], float | None]:
         """An arm's predicted speed over plain decoding for `requests` requests of class
