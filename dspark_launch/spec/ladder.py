@@ -22,9 +22,10 @@ arm and keeps a short average of its speed; every few steps it tries a neighbour
 caps up or down, the same cap with the other mode, the top cap, plain decoding) for one step
 and scores it against the current arm's average just before it: the log of the ratio, averaged
 (with forgetting) per arm, with its standard error. It moves to a neighbour whose ratio is
-above 1 + MARGIN and 1 by Z standard errors. A neighbour that is slower (or ties within the margin)
-is tried less and less often: its wait doubles (grows 4x when clearly slower), up to
-EXPLORE_MAX, so where nothing pays exploring costs under 1% of the speed. One not yet resolved
+above 1 + MARGIN (1 + ENTER from plain decoding) and 1 by Z standard errors. A neighbour that
+is slower (or ties within the margin) is tried less and less often: its wait doubles (grows 4x
+when clearly slower), up to EXPLORE_MAX, so where nothing pays exploring costs under 1% of the
+speed. One not yet resolved
 keeps being tried, for PATIENCE tries. A try far off its arm's record (SURPRISE: the machine or
 the batch changed) makes the old tries count less and the arm due again soon. After a move the
 ratios are re-based on the new arm (the old one's is the mirror of the one that won, the
@@ -66,6 +67,10 @@ BASE_ROUNDS = 32  # request-rounds the current arm's speed is averaged over, and
 BASE_STEPS = 4  # ... steps at least (at batch 64 one step's scatter misled every try)
 MARGIN = 0.02  # a neighbour must be this much faster to be moved to ...
 TIE = 0.06  # plain decoding within MARGIN / 2 of the current arm, to within this: a tie
+# ... and from plain decoding to a drafting arm, this much: one-step tries at batch 16 could
+# not tell arms 2-7% apart, and DFlash there wandered among caps that each ran 0.93-1.0x
+# plain decoding end to end (per-arm step accounting) while their tries scored 1.0-1.1x
+ENTER = 0.05
 CLEAR = 0.10  # a neighbour slower by this much (with Z standard errors) waits 4x longer
 Z = 2.0  # ... by this many standard errors of its log ratio (judged after every try)
 CLIP = math.log(2.0)  # a try's log ratio counts as at most this (a stalled machine's step)
@@ -315,7 +320,7 @@ class Ladder:
             return
         if i == self._ahead:
             self._ahead = None
-        if gap > math.log(1 + MARGIN):
+        if gap > math.log(1 + (ENTER if self.at == PLAIN else MARGIN)):
             self._move(i)
         else:
             # Not faster: tried less often, and far less often when clearly slower (its
