@@ -243,34 +243,27 @@ def main() -> None:
             spare = build("NONE")
             engines = {algorithm: build(algorithm) for algorithm in args.algorithms}
             prompts = [engines[args.algorithms[0]].tokenizer.encode(t).ids for t in texts]
-            # Warm-up passes first, unmeasured in the table (reported in the JSON): the
-            # policy learns online, from plain decoding up, once per engine, as a server
-            # does once at start-up; the repeats then measure the engine as it runs.
-            for rep in range(args.warmup):
+            # Warm-up passes first (rep < 0), unmeasured in the table (reported in the JSON):
+            # the policy learns online, from plain decoding up, once per engine, as a server
+            # does once at start-up; the repeats then measure the engine as it runs. Repeats
+            # outermost and the algorithms next to each other inside one, so a slow spell of
+            # a shared machine lands on all of them, not on one algorithm's runs.
+            for rep in range(-args.warmup, args.repeats):
                 for temp in args.temperatures:
                     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=temp)
                     group = f"batch {batch}, T={temp:g}"
                     done = run_interleaved(engines, prompts, batch, params, index)
                     index += len(engines) * len(prompts)
+                    first = done[args.algorithms[0]]["decode_tok_s"]
                     for algorithm, r in done.items():
-                        base = done[args.algorithms[0]]["decode_tok_s"]
-                        warmups.setdefault(group, {}).setdefault(algorithm, []).append(
-                            {k: r[k] for k in ("decode_tok_s", "tau")}
-                            | {"vs_first": r["decode_tok_s"] / base if base else None})
-                        print(f"warm-up {rep} {group} {algorithm:7s} decode "
-                              f"{r['decode_tok_s'] or 0:8.1f} tok/s  tau {r['tau'] or 0:.2f}",
-                              flush=True)
-            # Repeats outermost and the algorithms next to each other inside one, so a slow
-            # spell of a shared machine lands on all of them, not on one algorithm's runs.
-            for rep in range(args.repeats):
-                for temp in args.temperatures:
-                    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=temp)
-                    group = f"batch {batch}, T={temp:g}"
-                    done = run_interleaved(engines, prompts, batch, params, index)
-                    index += len(engines) * len(prompts)
-                    for algorithm, r in done.items():
-                        runs.setdefault((group, algorithm), []).append(r)
-                        print(f"repeat {rep} {group} {algorithm:7s} decode "
+                        if rep < 0:
+                            warmups.setdefault(group, {}).setdefault(algorithm, []).append(
+                                {k: r[k] for k in ("decode_tok_s", "tau")}
+                                | {"vs_first": r["decode_tok_s"] / first if first else None})
+                        else:
+                            runs.setdefault((group, algorithm), []).append(r)
+                        label = f"warm-up {args.warmup + rep}" if rep < 0 else f"repeat {rep}"
+                        print(f"{label} {group} {algorithm:7s} decode "
                               f"{r['decode_tok_s'] or 0:8.1f} tok/s  all {r['tok_s']:8.1f} "
                               f"tok/s  tau {r['tau'] or 0:.2f}", flush=True)
             # Where each ladder ended (per request class): what the policy settled on.
