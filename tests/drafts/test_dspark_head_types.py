@@ -23,7 +23,9 @@ TARGET = tiny_target_config()
 V, D, R = TARGET.vocab_size, TARGET.hidden_size, 8
 CTX_LENS = (3, 9, 1, 14)
 BLOCK = 7
-TOL = dict(atol=1e-5, rtol=1e-5)
+# fp32 through two layers and the lm_head in another order of summation: 1e-5 failed on one
+# CPU by 1.4e-5 at one logit in 1792 (a wrong Markov bias moves logits by ~0.1 or more)
+TOL = dict(atol=1e-4, rtol=1e-4)
 
 
 @pytest.fixture(autouse=True)
