@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from dspark_launch.engine.build import ASSETS, EngineArgs, build_engine
+from dspark_launch.engine.build import ASSETS, EngineArgs, build_engine, freeze_heap
 from dspark_launch.engine.inputs import BUILTIN_PROMPTS
 from dspark_launch.engine.params import SamplingParams
 from dspark_launch.engine.request import RequestSpec
@@ -242,6 +242,7 @@ def main() -> None:
             # engine takes that place, and NONE is measured like every other engine.
             spare = build("NONE")
             engines = {algorithm: build(algorithm) for algorithm in args.algorithms}
+            freeze_heap()  # as the CLI job and the server do; undone by shutdown()
             prompts = [engines[args.algorithms[0]].tokenizer.encode(t).ids for t in texts]
             # Warm-up passes first (rep < 0), unmeasured in the table (reported in the JSON):
             # the policy learns online, from plain decoding up, once per engine, as a server

@@ -155,6 +155,7 @@ class Engine:
     def shutdown(self) -> None:
         """Drop the models, pools and table; the engine cannot step afterwards."""
         self.target = self.proposer = self.memory = self.space = self.sched = None
+        gc.unfreeze()  # build.freeze_heap: what it froze may now be garbage
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dspark_launch.comm import broadcast_object
-from dspark_launch.engine.build import ASSETS, EngineArgs, build_engine
+from dspark_launch.engine.build import ASSETS, EngineArgs, build_engine, freeze_heap
 from dspark_launch.engine.inputs import BUILTIN_PROMPTS, build_specs, read_prompt_file
 from dspark_launch.engine.output import (
     OutputWriter,
@@ -75,6 +75,7 @@ def read_requests(job: JobArgs, tokenizer, context_limit: int, vocab_size: int
 def run_job(args: EngineArgs, job: JobArgs) -> int:
     state = get_parallel()
     engine = build_engine(args)
+    freeze_heap()
     target = engine.target
     specs, skip = read_requests(job, engine.tokenizer, engine.context_limit,
                                 target.config.vocab_size)

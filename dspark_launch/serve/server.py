@@ -14,7 +14,7 @@ import time
 
 from dspark_launch.api import default_sampling
 from dspark_launch.comm import agreed
-from dspark_launch.engine.build import EngineArgs, build_engine
+from dspark_launch.engine.build import EngineArgs, build_engine, freeze_heap
 from dspark_launch.errors import ConfigError
 from dspark_launch.log import logger
 from dspark_launch.parallel import get_parallel
@@ -70,6 +70,7 @@ def serve(cfg, args: EngineArgs) -> int:
     """`cfg`: the CLI's RunConfig (server flags); `args`: the engine's share of it."""
     state = get_parallel()
     engine = build_engine(args)
+    freeze_heap()
     install_serve_signal_handlers()
     http = None
     try:
