@@ -61,6 +61,12 @@ from dataclasses import dataclass
 CAPS = (0, 1, 2, 3, 4, 7, 8, 15, 16)
 EXPLORE_EVERY = 4  # steps between tries of one neighbour at first ...
 EXPLORE_MAX = 512  # ... doubling, up to this, while it does not win
+# A wait of ALIGN steps or more (waits are powers of two) ends on the nearest multiple of
+# itself: the neighbours a settled ladder tries now and then come due together and are tried
+# in one burst, so a dormant ladder (spec/policy.py: WAKE_AHEAD) wakes once for all of them.
+# Each due on its own schedule woke it WAKE_AHEAD steps early per neighbour: at batch 1, T=1,
+# 45% of a run's steps were awake.
+ALIGN = 64
 TRY_GAP = 3  # steps between two tries of any neighbours (a climb's next cap excepted)
 MIN_ROUNDS = 16  # request-rounds a neighbour must have measured before it is judged ...
 MIN_TRIES = 3  # ... over this many steps at least
@@ -186,6 +192,8 @@ class Ladder:
         self._tried = -TRY_GAP  # the step a neighbour was last tried
         self.elapsed = 0.0  # yardstick steps all scored steps took ...
         self.spent = 0.0  # ... and what tries lost in them (BUDGET)
+        self._unfaded = 0  # scored steps whose fade the arms have not had yet (_settle)
+        self._quiet_until = 0  # picks before this step return the current arm (quiet())
         # The arm a climb measures next, at once (from plain decoding: the top cap, where
         # speculation pays most; the caps below are measured next, being young)
         self._ahead: int | None = next((j for j, a in enumerate(self.arms)
@@ -228,6 +236,8 @@ class Ladder:
         once, and a climb's next cap is tried at once, unless `predict` (an arm's predicted
         speed over plain decoding, None: no prediction) makes it unlikely to pay."""
         self.steps += 1
+        if self.steps < self._quiet_until:  # quiet() found nothing due before then
+            return self.at
         if self._base_steps < BASE_STEPS:  # no yardstick yet: tries would share one step's
             return self.at  # scatter (since the start, or a move)
         if self.spent > BUDGET * self.elapsed + ALLOWANCE:
@@ -247,14 +257,20 @@ class Ladder:
             if self.steps >= arm.due:
                 if self._unlikely(j, predict):  # a clear loser by prediction: backs off
                     arm.wait = min(4 * arm.wait, EXPLORE_MAX)
-                    arm.due = self.steps + arm.wait
+                    arm.due = self._due(arm.wait)
                     continue
                 self._turn = (self._turn + k + 1) % len(near)
-                arm.due = self.steps + (arm.wait if arm.judgeable else 1)
+                arm.due = self._due(arm.wait) if arm.judgeable else self.steps + 1
                 self._tried = self.steps
                 self.tries += 1
                 return j
         return self.at
+
+    def _due(self, wait: int) -> int:
+        """The step a neighbour waiting `wait` steps from now is due (ALIGN): on average
+        `wait` steps from now, and later than now."""
+        due = self.steps + wait
+        return (due + wait // 2) // wait * wait if wait >= ALIGN else due
 
     def _unlikely(self, j: int, predict: Callable[[Arm], float | None] | None) -> bool:
         """Arm j, tried but not judged yet and not yet kept waiting EXPLORE_MAX steps, ran
@@ -284,8 +300,7 @@ class Ladder:
             # ratio over the step after it (DSpark, 47 and 48 tries), so one step is a try.
             arm.warm = True
             return
-        for other in self.arms:
-            other.fade(_KEEP)
+        self._unfaded += 1  # every arm fades by _KEEP: applied when next read (_settle)
         if i == self.at:
             # A short average (over BASE_ROUNDS request-rounds and BASE_STEPS steps at
             # least): the machine's speed now.
@@ -295,6 +310,8 @@ class Ladder:
             self.base = speed if math.isnan(self.base) else \
                 math.exp((1 - w) * math.log(self.base) + w * math.log(speed))
         elif not math.isnan(self.base) and i in self.near[self.at]:
+            self._settle()
+            self._quiet_until = 0  # a surprise below may bring a due forward
             ratio = min(max(math.log(speed / self.base), -CLIP), CLIP)
             if arm.judgeable and abs(ratio - arm.log_ratio) > SURPRISE * arm.scatter():
                 # Far outside its record: the machine, the batch or the prompts changed.
@@ -333,7 +350,18 @@ class Ladder:
             grow = 4 if gap + noise < math.log(1 - CLEAR) else 2
             there.wait = min(grow * there.wait, EXPLORE_MAX)
 
+    def _settle(self) -> None:
+        """Apply the fades of the steps since the arms were last read (one multiply per
+        arm, not one per arm and step: the current arm's steps read no arm)."""
+        if self._unfaded:
+            keep = _KEEP ** self._unfaded
+            for arm in self.arms:
+                arm.fade(keep)
+            self._unfaded = 0
+
     def _move(self, i: int) -> None:
+        self._settle()
+        self._quiet_until = 0
         came_from, there = self.arms[self.at], self.arms[i]
         gap = there.log_ratio
         for j, arm in enumerate(self.arms):  # ratios re-based on the new arm: estimates
@@ -368,13 +396,21 @@ class Ladder:
         while (picks count self.steps up by one; a neighbour never tried is due at once)."""
         if self.current.cap or self._ahead is not None or not self.near[self.at]:
             return False
+        if self.steps + 1 + horizon < self._quiet_until:
+            return True
+        due = min(self.arms[j].due for j in self.near[self.at])
         # steps (of about one yardstick step each) until the budget lets a try in again
         held = max(0.0, self.spent - BUDGET * self.elapsed - ALLOWANCE) / BUDGET
-        return all(max(self.arms[j].due, self.steps + held) > self.steps + 1 + horizon
-                   for j in self.near[self.at])
+        if max(due, self.steps + held) <= self.steps + 1 + horizon:
+            return False
+        # Before the first due every pick returns the current arm (whatever the budget), and
+        # nothing moves a due meanwhile but a try's outcome (observe) or a move.
+        self._quiet_until = due
+        return True
 
     def to_dict(self) -> dict:
         """The current arm, and each neighbour's measured speed over it."""
+        self._settle()
         near = self.near[self.at]
         return {"current": {"cap": self.current.cap, "model": self.current.model},
                 "steps": self.steps, "tries": self.tries,
