@@ -36,7 +36,7 @@ run's time (plus a small ALLOWANCE), so a drafter that never pays costs at most 
 a short run; a try faster than the current arm refills the budget.
 
 It starts at plain decoding, so speculation has to earn its place, and measures the top cap
-at once: where speculation pays most that is where the ladder ends (at batch 1 greedy a climb
+first: where speculation pays most that is where the ladder ends (at batch 1 greedy a climb
 cap by cap took hundreds of steps), and where it does not the caps below are measured next.
 A climb continues in its direction first. Plain decoding neighbours every arm, so the ladder
 can always fall back to it. A fixed cap whose first tries ran far below the current arm, as the
@@ -67,7 +67,7 @@ EXPLORE_MAX = 512  # ... doubling, up to this, while it does not win
 # Each due on its own schedule woke it WAKE_AHEAD steps early per neighbour: at batch 1, T=1,
 # 45% of a run's steps were awake.
 ALIGN = 64
-TRY_GAP = 3  # steps between two tries of any neighbours (a climb's next cap excepted)
+TRY_GAP = 3  # steps of the current arm between two tries (a climb's next cap's too)
 MIN_ROUNDS = 16  # request-rounds a neighbour must have measured before it is judged ...
 MIN_TRIES = 3  # ... over this many steps at least
 PATIENCE = 6  # tries after which an unresolved neighbour is tried less often too
@@ -84,7 +84,9 @@ ENTER = 0.05
 CLEAR = 0.10  # a neighbour slower by this much (with Z standard errors) waits 4x longer
 Z = 2.0  # ... by this many standard errors of its log ratio (judged after every try)
 CLIP = math.log(2.0)  # a try's log ratio counts as at most this (a stalled machine's step)
-NOISE = 0.05  # the least scatter of a try's log ratio (a few tries can look steadier)
+NOISE = 0.05  # the least scatter of a try's log ratio (a few tries can look steadier) ...
+NULL_RATE = 1 / 32  # ... or, if more, the current arm's own steps' around the yardstick,
+# averaged at this rate (Ladder._floor)
 SURPRISE = 3.0  # a try this many scatters off its arm's mean: the machine or batch changed
 # (at two, DFlash at batch 1, T=1, whose rounds commit 1 to 8 tokens by chance, tried its
 # neighbours in 569 of 5495 steps, DSpark, scored by confidences, in 199 of 5587) ...
@@ -162,14 +164,15 @@ class Arm:
     def log_ratio(self) -> float:
         return self.total / self.rounds if self.rounds else 0.0
 
-    def scatter(self) -> float:
-        """One try's standard deviation around the mean (at least NOISE)."""
+    def scatter(self, floor: float = NOISE ** 2) -> float:
+        """One try's standard deviation around the mean (its variance at least `floor`)."""
         if not self.rounds:
             return math.inf
-        return math.sqrt(max(NOISE ** 2, self.squares / self.rounds - self.log_ratio ** 2))
+        return math.sqrt(max(floor, self.squares / self.rounds - self.log_ratio ** 2))
 
-    def log_error(self) -> float:
-        return self.scatter() * math.sqrt(self.weights) / self.rounds if self.rounds else math.inf
+    def log_error(self, floor: float = NOISE ** 2) -> float:
+        return (self.scatter(floor) * math.sqrt(self.weights) / self.rounds if self.rounds
+                else math.inf)
 
 
 class Ladder:
@@ -193,6 +196,8 @@ class Ladder:
         self.elapsed = 0.0  # yardstick steps all scored steps took ...
         self.spent = 0.0  # ... and what tries lost in them (BUDGET)
         self._unfaded = 0  # scored steps whose fade the arms have not had yet (_settle)
+        self._null = NOISE ** 2  # mean squared log ratio of the current arm's steps to base
+        self._misses = 0  # ... over this many steps
         self._quiet_until = 0  # picks before this step return the current arm (quiet())
         # The arm a climb measures next, at once (from plain decoding: the top cap, where
         # speculation pays most; the caps below are measured next, being young)
@@ -233,7 +238,7 @@ class Ladder:
         """This step's arm: the current one, or (one step, then TRY_GAP steps of the
         current arm at least, once its speed is averaged over BASE_STEPS steps) the next
         neighbour in turn that is due; one not yet measured enough to be judged is due at
-        once, and a climb's next cap is tried at once, unless `predict` (an arm's predicted
+        once, and a climb's next cap comes first, unless `predict` (an arm's predicted
         speed over plain decoding, None: no prediction) makes it unlikely to pay."""
         self.steps += 1
         if self.steps < self._quiet_until:  # quiet() found nothing due before then
@@ -244,12 +249,14 @@ class Ladder:
             return self.at  # exploring has lost its share: the current arm earns it back
         if self._ahead is not None and self._unlikely(self._ahead, predict):
             self._ahead = None
+        if self.steps - self._tried <= TRY_GAP:
+            # Plain steps between tries: tries in a row were all scored against one base,
+            # whose error they then shared (three lucky ones moved a ladder at batch 64).
+            return self.at
         if self._ahead is not None and not self.arms[self._ahead].judgeable:
             self.tries += 1
             self._tried = self.steps
             return self._ahead
-        if self.steps - self._tried <= TRY_GAP:
-            return self.at
         near = self.near[self.at]
         for k in range(len(near)):
             j = near[(self._turn + k) % len(near)]
@@ -265,6 +272,15 @@ class Ladder:
                 self.tries += 1
                 return j
         return self.at
+
+    @property
+    def _floor(self) -> float:
+        """The least variance of a try's log ratio: NOISE, or what the current arm's own
+        steps scatter around the yardstick, if more. A few tries can look steadier than the
+        machine is: at batch 64 plain steps strayed from the yardstick by 12% (the machine,
+        the batch's contexts), three tries of an arm that ran 0.89x plain decoding scattered
+        by less, and the ladder moved to it."""
+        return max(NOISE ** 2, self._null)
 
     def _due(self, wait: int) -> int:
         """The step a neighbour waiting `wait` steps from now is due (ALIGN): on average
@@ -304,6 +320,10 @@ class Ladder:
         if i == self.at:
             # A short average (over BASE_ROUNDS request-rounds and BASE_STEPS steps at
             # least): the machine's speed now.
+            if self._base_steps:  # how far one step of it strays from its own yardstick
+                miss = min(max(math.log(speed / self.base), -CLIP), CLIP)
+                self._misses += 1  # a plain mean at first, then an average at NULL_RATE
+                self._null += max(NULL_RATE, 1 / self._misses) * (miss * miss - self._null)
             self._base_rounds = min(self._base_rounds + rounds, BASE_ROUNDS)
             self._base_steps = min(self._base_steps + 1, BASE_STEPS)
             w = min(rounds / self._base_rounds, 1 / self._base_steps)
@@ -313,7 +333,8 @@ class Ladder:
             self._settle()
             self._quiet_until = 0  # a surprise below may bring a due forward
             ratio = min(max(math.log(speed / self.base), -CLIP), CLIP)
-            if arm.judgeable and abs(ratio - arm.log_ratio) > SURPRISE * arm.scatter():
+            if arm.judgeable and abs(ratio - arm.log_ratio) > SURPRISE * arm.scatter(
+                    self._floor):
                 # Far outside its record: the machine, the batch or the prompts changed.
                 # Its old tries count less, and it is measured again soon.
                 arm.fade(SURPRISE_KEEP)
@@ -326,7 +347,7 @@ class Ladder:
         there = self.arms[i]
         if not there.judgeable:
             return
-        gap, noise = there.log_ratio, Z * there.log_error()
+        gap, noise = there.log_ratio, Z * there.log_error(self._floor)
         if i == PLAIN and gap > -math.log(1 + MARGIN) / 2 and noise < math.log(1 + TIE):
             # Plain decoding takes a tie: it costs the least CPU and its speed rests on no
             # estimate, so a drafting arm stays only while it beats plain by the margin (at

@@ -54,18 +54,24 @@ def brute_force(ladder: Ladder, speedup) -> tuple[int, bool]:
 
 
 def test_climbs_to_the_arm_brute_force_picks():
+    """Five seeds each. The arms 7 and 8 of peaked(6) are 3.2% apart under +-10% noise per
+    step: telling them apart at Z standard errors takes more tries than an arm that only ties
+    gets (PATIENCE, then less and less often), so a seed may end at either; what the seeds
+    run late is within TOLERANCE of the best all the same."""
     for best in (1, 3, 6):
-        ladder = Ladder(8)
         speedup = peaked(best)
-        played = closed_loop(ladder, speedup, 1500, seed=best)
-        # The climb ends at the best arm or at one within the margin of it.
-        assert speedup(ladder.current.cap, ladder.current.model) >= TOLERANCE * speedup(
-            *brute_force(ladder, speedup))
+        top = speedup(*brute_force(Ladder(8), speedup))
+        ends, late = [], []
+        for seed in range(best, best + 5):
+            ladder = Ladder(8)
+            played = closed_loop(ladder, speedup, 1500, seed=seed)
+            ends.append(speedup(ladder.current.cap, ladder.current.model) / top)
+            late += played[-500:]
+        # The climb ends at the best arm or at one it cannot tell from it.
+        assert min(ends) >= 0.95, ends
         # Trying the neighbours costs little: those that keep losing are tried less and less
         # often, those within the margin are nearly as fast.
-        late = played[-500:]
-        assert achieved(late, speedup) >= TOLERANCE * speedup(*brute_force(ladder, speedup)), \
-            Counter(late)
+        assert achieved(late, speedup) >= TOLERANCE * top, Counter(late)
 
 
 def test_stays_plain_when_no_arm_pays():
@@ -246,3 +252,18 @@ def test_a_wrong_prediction_does_not_keep_a_winner_out():
         best = speedup(3, False)
         assert speedup(ladder.current.cap, ladder.current.model) >= TOLERANCE * best
         assert achieved(played[-300:], speedup) >= 0.95 * best, Counter(played[-300:])
+
+
+@pytest.mark.parametrize("noise", [0.2, 0.3])
+def test_no_move_on_lucky_tries_where_steps_scatter(noise):
+    """Batch 64 on a noisy machine: every drafting arm runs 0.92x plain decoding and one
+    step's speed scatters by +-20-30%. The ladder stays at plain decoding in each of ten
+    seeds: a try's scatter is taken as at least the plain steps' own around the yardstick,
+    and tries are never scored in a row against one yardstick (three lucky ones in a row had
+    moved it to the top cap at step 9)."""
+    worse = lambda cap, model: 0.92 if cap else 1.0  # noqa: E731
+    for seed in range(10):
+        ladder = Ladder(8)
+        played = closed_loop(ladder, worse, 400, seed=seed, rounds=64, noise=noise)
+        assert ladder.at == PLAIN, seed
+        assert sum(1 for cap, _ in played if cap) < 0.25 * len(played), (seed, Counter(played))
