@@ -85,7 +85,7 @@ CLEAR = 0.10  # a neighbour slower by this much (with Z standard errors) waits 4
 Z = 2.0  # ... by this many standard errors of its log ratio (judged after every try)
 CLIP = math.log(2.0)  # a try's log ratio counts as at most this (a stalled machine's step)
 NOISE = 0.05  # the least scatter of a try's log ratio (a few tries can look steadier) ...
-NULL_RATE = 1 / 32  # ... or, if more, the current arm's own steps' around the yardstick,
+NULL_RATE = 1 / 32  # ... or, if more, one step's time around the current arm's recent steps',
 # averaged at this rate (Ladder._floor)
 SURPRISE = 3.0  # a try this many scatters off its arm's mean: the machine or batch changed
 # (at two, DFlash at batch 1, T=1, whose rounds commit 1 to 8 tokens by chance, tried its
@@ -196,8 +196,12 @@ class Ladder:
         self.elapsed = 0.0  # yardstick steps all scored steps took ...
         self.spent = 0.0  # ... and what tries lost in them (BUDGET)
         self._unfaded = 0  # scored steps whose fade the arms have not had yet (_settle)
-        self._null = NOISE ** 2  # mean squared log ratio of the current arm's steps to base
-        self._misses = 0  # ... over this many steps
+        # The current arm's steps: the average log of their relative seconds, and the mean
+        # squared miss of one step's against it (over _misses steps): the machine's and the
+        # batch's noise in a try's ratio (its tokens' is in the arm's own scatter).
+        self._seconds = 0.0
+        self._null = NOISE ** 2
+        self._misses = 0
         self._quiet_until = 0  # picks before this step return the current arm (quiet())
         # The arm a climb measures next, at once (from plain decoding: the top cap, where
         # speculation pays most; the caps below are measured next, being young)
@@ -275,11 +279,12 @@ class Ladder:
 
     @property
     def _floor(self) -> float:
-        """The least variance of a try's log ratio: NOISE, or what the current arm's own
-        steps scatter around the yardstick, if more. A few tries can look steadier than the
-        machine is: at batch 64 plain steps strayed from the yardstick by 12% (the machine,
-        the batch's contexts), three tries of an arm that ran 0.89x plain decoding scattered
-        by less, and the ladder moved to it."""
+        """The least variance of a try's log ratio: NOISE, or, if more, how far one step's
+        time strays from the current arm's recent steps' (the machine, the batch's contexts;
+        not its tokens, whose scatter is the tried arm's own). A few tries can look steadier
+        than the machine is: at batch 64 plain steps strayed from their yardstick by ~12%,
+        three tries of an arm that ran 0.89x plain decoding scattered by less, and the
+        ladder moved to it."""
         return max(NOISE ** 2, self._null)
 
     def _due(self, wait: int) -> int:
@@ -320,13 +325,16 @@ class Ladder:
         if i == self.at:
             # A short average (over BASE_ROUNDS request-rounds and BASE_STEPS steps at
             # least): the machine's speed now.
-            if self._base_steps:  # how far one step of it strays from its own yardstick
-                miss = min(max(math.log(speed / self.base), -CLIP), CLIP)
+            seconds = math.log(relative_seconds)
+            if self._base_steps:  # how far one step's time strays from the recent average
+                miss = min(max(seconds - self._seconds, -CLIP), CLIP)
                 self._misses += 1  # a plain mean at first, then an average at NULL_RATE
                 self._null += max(NULL_RATE, 1 / self._misses) * (miss * miss - self._null)
             self._base_rounds = min(self._base_rounds + rounds, BASE_ROUNDS)
             self._base_steps = min(self._base_steps + 1, BASE_STEPS)
             w = min(rounds / self._base_rounds, 1 / self._base_steps)
+            self._seconds = seconds if self._base_steps == 1 else \
+                (1 - w) * self._seconds + w * seconds
             self.base = speed if math.isnan(self.base) else \
                 math.exp((1 - w) * math.log(self.base) + w * math.log(speed))
         elif not math.isnan(self.base) and i in self.near[self.at]:

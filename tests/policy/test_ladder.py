@@ -34,17 +34,17 @@ def peaked(best: int, model_share: float = 0.9):
 
 
 def closed_loop(ladder: Ladder, speedup, steps: int, seed: int = 0, rounds: int = ROUNDS,
-                noise: float = 0.1, predict=None) -> list[tuple[int, bool]]:
+                noise: float = 0.1, predict=None, slow: float = 0.0) -> list[tuple[int, bool]]:
     """Each step: the ladder picks an arm (`predict`: the policy's prediction, if any); its
-    requests commit speedup x rounds tokens (+-noise) in one plain step's time. Returns the
-    (cap, model) played per step."""
+    requests commit speedup x rounds tokens (+-noise) in one plain step's time (+-slow: a
+    machine whose steps scatter). Returns the (cap, model) played per step."""
     rng = random.Random(seed)
     played = []
     for _ in range(steps):
         i = ladder.pick(predict)
         arm = ladder.arms[i]
         ladder.observe(i, rounds, rounds * speedup(arm.cap, arm.model)
-                       * rng.uniform(1 - noise, 1 + noise), 1.0)
+                       * rng.uniform(1 - noise, 1 + noise), rng.uniform(1 - slow, 1 + slow))
         played.append((arm.cap, arm.model))
     return played
 
@@ -254,16 +254,16 @@ def test_a_wrong_prediction_does_not_keep_a_winner_out():
         assert achieved(played[-300:], speedup) >= 0.95 * best, Counter(played[-300:])
 
 
-@pytest.mark.parametrize("noise", [0.2, 0.3])
-def test_no_move_on_lucky_tries_where_steps_scatter(noise):
+@pytest.mark.parametrize("slow", [0.1, 0.2])
+def test_no_move_on_lucky_tries_where_steps_scatter(slow):
     """Batch 64 on a noisy machine: every drafting arm runs 0.92x plain decoding and one
-    step's speed scatters by +-20-30%. The ladder stays at plain decoding in each of ten
-    seeds: a try's scatter is taken as at least the plain steps' own around the yardstick,
-    and tries are never scored in a row against one yardstick (three lucky ones in a row had
-    moved it to the top cap at step 9)."""
+    step's time scatters by +-10-20%. The ladder stays at plain decoding in each of ten
+    seeds: a try's scatter is taken as at least the plain steps' own around their recent
+    average, and tries are never scored in a row against one yardstick (three lucky ones in
+    a row had moved it to the top cap at step 9)."""
     worse = lambda cap, model: 0.92 if cap else 1.0  # noqa: E731
     for seed in range(10):
         ladder = Ladder(8)
-        played = closed_loop(ladder, worse, 400, seed=seed, rounds=64, noise=noise)
+        played = closed_loop(ladder, worse, 400, seed=seed, rounds=64, noise=0.0, slow=slow)
         assert ladder.at == PLAIN, seed
         assert sum(1 for cap, _ in played if cap) < 0.25 * len(played), (seed, Counter(played))
