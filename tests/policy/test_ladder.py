@@ -258,9 +258,8 @@ def test_a_wrong_prediction_does_not_keep_a_winner_out():
 def test_no_move_on_lucky_tries_where_steps_scatter(slow):
     """Batch 64 on a noisy machine: every drafting arm runs 0.92x plain decoding and one
     step's time scatters by +-10-20%. The ladder stays at plain decoding in each of ten
-    seeds: a try's scatter is taken as at least the plain steps' own around their recent
-    average, and tries are never scored in a row against one yardstick (three lucky ones in
-    a row had moved it to the top cap at step 9)."""
+    seeds: a try's scatter is taken as at least what the plain steps' times show around
+    their recent average (three lucky tries of the top cap had moved it there at step 9)."""
     worse = lambda cap, model: 0.92 if cap else 1.0  # noqa: E731
     for seed in range(10):
         ladder = Ladder(8)
