@@ -21,15 +21,17 @@ slower still, so arms measured at different times do not compare. The ladder pla
 arm and keeps a short average of its speed; every few steps it tries a neighbour (the next two
 caps up or down, the same cap with the other mode, the top cap, plain decoding) for one step
 and scores it against the current arm's average just before it: the log of the ratio, averaged
-(with forgetting) per arm, with its standard error. It moves to a neighbour whose ratio is
-above 1 + MARGIN (1 + ENTER from plain decoding) and 1 by Z standard errors. A neighbour that
-is slower (or ties within the margin) is tried less and less often: its wait doubles (grows 4x
-when clearly slower), up to EXPLORE_MAX, so where nothing pays exploring costs under 1% of the
-speed. One not yet resolved keeps being tried, for PATIENCE tries. A try far off its arm's
-record (SURPRISE: the machine or the batch changed) makes the old tries count less and the arm
-due again soon. After a move the ratios are re-based on the new arm (the old one's is the
-mirror of the one that won, the others' shift by the winner's and count less: they are
-estimates through it).
+(with forgetting) per arm, with its standard error (a try scatters at least as much as one
+step's time of the current arm does around their recent average: the machine's and the
+batch's noise). It moves to a neighbour whose ratio is above 1 + MARGIN (1 + ENTER from plain
+decoding) and 1 by Z standard errors. A neighbour that is slower (or ties within the margin)
+is tried less and less often: its wait doubles (grows 4x when clearly slower), up to
+EXPLORE_MAX, so where nothing pays exploring costs under 1% of the speed; long waits end on
+multiples of themselves (ALIGN), so those tries come in bursts. One not yet resolved keeps
+being tried, for PATIENCE tries. A try far off its arm's record (SURPRISE: the machine or the
+batch changed) makes the old tries count less and the arm due again soon. After a move the
+ratios are re-based on the new arm (the old one's is the mirror of the one that won, the
+others' shift by the winner's and count less: they are estimates through it).
 
 Exploring is paid for: tries are made only while what they lost stays within BUDGET of the
 run's time (plus a small ALLOWANCE), so a drafter that never pays costs at most that, even in
