@@ -1,8 +1,9 @@
 """Decode-throughput benchmark: algorithms side by side in one run, through the engine API.
 
     python scripts/bench_serving.py [--model DIR --dflash DIR --dspark DIR] [--prompts FILE]
-        [--num-prompts 128] [--batches 16] [--temperatures 0 1] [--repeats 3] [--warmup 1]
-        [--algorithms NONE NGRAM DFLASH DSPARK] [--max-new-tokens 64]
+        [--num-prompts 128] [--min-waves 8] [--batches 16] [--temperatures 0 1] [--repeats 3]
+        [--warmup 1] [--algorithms NONE NGRAM DFLASH DSPARK] [--noise-band BATCH ...]
+        [--max-new-tokens 64]
         [--out docs/bench/bench_serving.json] [--plot docs/bench/bench_serving.png]
 
 A world of one (tp1, CPU by default, --threads 1). For each algorithm and batch size one engine
@@ -19,6 +20,10 @@ decode tok/s counts only the tokens and wall time of steps that prefilled nothin
 (engine.last_step). Each number is the median of the repeats. Greedy outputs of every
 algorithm are checked against NONE's (lossless). Fewer than --num-prompts prompts in the file
 are stretched by cutting each at earlier line ends (distinct, shorter prompts).
+A cell at batch b runs max(--num-prompts, --min-waves x b) prompts (the prompt list again
+when the file has fewer), so a large batch is measured in its steady state, over enough turns.
+--noise-band adds a second NONE engine (NONE/2) at the batches named: its ratio to NONE is
+what the measurement itself scatters by, the band within which a ratio means nothing.
 Defaults: the embedded tiny model, its drafts, the built-in held-out prompts.
 """
 
@@ -38,6 +43,8 @@ from dspark_launch.engine.params import SamplingParams
 from dspark_launch.engine.request import RequestSpec
 from dspark_launch.spec.policy import POLICIES
 
+TWIN = "NONE/2"  # a second plain-decoding engine: the noise band (--noise-band)
+
 
 def load_prompts(path: str, n: int) -> list[str]:
     base = [json.loads(line)["prompt"] for line in Path(path).read_text().splitlines() if line]
@@ -49,6 +56,9 @@ def load_prompts(path: str, n: int) -> list[str]:
             if len(lines) > cut:
                 out.append("".join(lines[:-cut]))
         cut += 1
+    distinct = len(out)
+    while len(out) < n:  # still short: the list again (sampled requests draw their own keys)
+        out += out[:min(distinct, n - len(out))]
     return out[:n]
 
 
@@ -164,7 +174,7 @@ def plot(results: dict, path: Path) -> None:
 
     groups = list(results)  # "batch 16, T=0"
     names = sorted({a for g in results.values() for a in g},
-                   key=lambda n: ["NONE", "NGRAM", "DFLASH", "DSPARK"].index(n))
+                   key=lambda n: ["NONE", TWIN, "NGRAM", "DFLASH", "DSPARK"].index(n))
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
@@ -193,6 +203,14 @@ def main() -> None:
     ap.add_argument("--dspark", default=str(ASSETS / "dspark"))
     ap.add_argument("--prompts", default=str(BUILTIN_PROMPTS))
     ap.add_argument("--num-prompts", type=int, default=128)
+    ap.add_argument("--min-waves", type=int, default=8,
+                    help="a cell at batch b runs max(--num-prompts, min_waves * b) prompts: "
+                    "128 prompts at batch 64 are two waves, ~130 steps of ramp and tail, and "
+                    "~4 s per engine, i.e. four turns, too few for the machine's drift to "
+                    "average out (per-repeat ratios of identical engines spread +-9%%)")
+    ap.add_argument("--noise-band", type=int, nargs="*", default=[],
+                    help="batches at which a second NONE engine (NONE/2) runs beside the "
+                    "others: its ratio to NONE is the cell's own measurement noise")
     ap.add_argument("--batches", type=int, nargs="+", default=[16])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -219,11 +237,13 @@ def main() -> None:
     from dspark_launch.parallel import destroy_parallel_runtime, init_parallel_runtime
 
     init_parallel_runtime(resolve_config(["--device", args.device], world_size=1))
-    texts = load_prompts(args.prompts, args.num_prompts)
+    texts = load_prompts(args.prompts,
+                         max([args.num_prompts] + [args.min_waves * b for b in args.batches]))
     results: dict[str, dict] = {}
     index = 0
     runs: dict[tuple[str, str], list[dict]] = {}  # (group, algorithm) -> one per repeat
     ladders: dict[str, dict] = {}  # batch -> algorithm -> the verify ladders at the end
+    counts: dict[str, int] = {}  # batch -> prompts per repeat
     warmups: dict[str, dict] = {}  # group -> algorithm -> each warm-up pass
     try:
         for batch in args.batches:
@@ -241,9 +261,15 @@ def main() -> None:
             # engine built before them and kept, the three agreed within 0.5%. So a spare
             # engine takes that place, and NONE is measured like every other engine.
             spare = build("NONE")
-            engines = {algorithm: build(algorithm) for algorithm in args.algorithms}
+            names = list(args.algorithms)
+            if batch in args.noise_band and "NONE" in names:
+                names.insert(names.index("NONE") + 1, TWIN)
+            engines = {name: build(name.split("/")[0]) for name in names}
             freeze_heap()  # as the CLI job and the server do; undone by shutdown()
-            prompts = [engines[args.algorithms[0]].tokenizer.encode(t).ids for t in texts]
+            n_prompts = max(args.num_prompts, args.min_waves * batch)
+            prompts = [engines[args.algorithms[0]].tokenizer.encode(t).ids
+                       for t in texts[:n_prompts]]
+            counts[f"batch {batch}"] = n_prompts
             # Warm-up passes first (rep < 0), unmeasured in the table (reported in the JSON):
             # the policy learns online, from plain decoding up, once per engine, as a server
             # does once at start-up; the repeats then measure the engine as it runs. Repeats
@@ -304,7 +330,8 @@ def main() -> None:
             print(f"{group:16s} {name:9s} {r['decode_tok_s'] or 0:10.1f}  {tau:>5}  "
                   f"{r.get('speedup_vs_none', 0):6.2f}x  {r.get('lossless_vs_none', '-')}")
     meta = {"torch_threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
-            "num_prompts": len(texts), "repeats": args.repeats, "warmup": args.warmup,
+            "num_prompts": counts, "distinct_prompts": len(set(texts)),
+            "repeats": args.repeats, "warmup": args.warmup,
             "model": args.model,
             "speculative_policy": args.speculative_policy,
             "statistic": "median of repeats; decode = steps that prefilled nothing"}
