@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
 import time
 from pathlib import Path
@@ -44,6 +46,16 @@ from dspark_launch.engine.request import RequestSpec
 from dspark_launch.spec.policy import POLICIES
 
 TWIN = "NONE/2"  # a second plain-decoding engine: the noise band (--noise-band)
+
+
+def cpu_model() -> str:
+    """The CPU's model name (ratios move with it: a verify row's price is the GEMM kernel's)."""
+    info = Path("/proc/cpuinfo")
+    if info.exists():
+        for line in info.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def load_prompts(path: str, n: int) -> list[str]:
@@ -329,7 +341,8 @@ def main() -> None:
             tau = f"{r['tau']:.2f}" if r.get("tau") else "  - "
             print(f"{group:16s} {name:9s} {r['decode_tok_s'] or 0:10.1f}  {tau:>5}  "
                   f"{r.get('speedup_vs_none', 0):6.2f}x  {r.get('lossless_vs_none', '-')}")
-    meta = {"torch_threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
+    meta = {"cpu": f"{cpu_model()} x{os.cpu_count()}", "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
             "num_prompts": counts, "distinct_prompts": len(set(texts)),
             "repeats": args.repeats, "warmup": args.warmup,
             "model": args.model,
