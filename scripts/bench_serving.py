@@ -249,8 +249,16 @@ def main() -> None:
     from dspark_launch.parallel import destroy_parallel_runtime, init_parallel_runtime
 
     init_parallel_runtime(resolve_config(["--device", args.device], world_size=1))
-    texts = load_prompts(args.prompts,
-                         max([args.num_prompts] + [args.min_waves * b for b in args.batches]))
+    if args.noise_band and "NONE" not in args.algorithms:
+        ap.error("--noise-band compares a second NONE engine with NONE: add NONE to "
+                 f"--algorithms (got {' '.join(args.algorithms)})")
+    if missing := sorted(set(args.noise_band) - set(args.batches)):
+        ap.error(f"--noise-band {missing}: not among --batches {args.batches}")
+
+    def cell_prompts(batch: int) -> int:
+        return max(args.num_prompts, args.min_waves * batch)
+
+    texts = load_prompts(args.prompts, max(cell_prompts(b) for b in args.batches))
     results: dict[str, dict] = {}
     index = 0
     runs: dict[tuple[str, str], list[dict]] = {}  # (group, algorithm) -> one per repeat
@@ -276,9 +284,9 @@ def main() -> None:
             names = list(args.algorithms)
             if batch in args.noise_band and "NONE" in names:
                 names.insert(names.index("NONE") + 1, TWIN)
-            engines = {name: build(name.split("/")[0]) for name in names}
+            engines = {name: build("NONE" if name == TWIN else name) for name in names}
             freeze_heap()  # as the CLI job and the server do; undone by shutdown()
-            n_prompts = max(args.num_prompts, args.min_waves * batch)
+            n_prompts = cell_prompts(batch)
             prompts = [engines[args.algorithms[0]].tokenizer.encode(t).ids
                        for t in texts[:n_prompts]]
             counts[f"batch {batch}"] = n_prompts

@@ -42,13 +42,18 @@ def tokens(cap: int, rng: random.Random) -> int:
     return n
 
 
-def speed(cap: int) -> float:
-    """Expected committed tokens per plain step's time."""
+def expected_tokens(rates, cap: int) -> float:
+    """1 + the drafts a round verifying `cap` accepts on average, at these conditional rates."""
     tau, alive = 1.0, 1.0
-    for rate in ACCEPT[:cap]:
+    for rate in rates[:cap]:
         alive *= rate
         tau += alive
-    return tau / cost(cap)
+    return tau
+
+
+def speed(cap: int) -> float:
+    """Expected committed tokens per plain step's time."""
+    return expected_tokens(ACCEPT, cap) / cost(cap)
 
 
 def run(seed: int, steps: int, expected: bool) -> tuple[int, list[float]]:
@@ -63,12 +68,8 @@ def run(seed: int, steps: int, expected: bool) -> tuple[int, list[float]]:
         for pos in range(min(n, cap)):  # the accepted drafts, then the first rejected one
             reached[pos] += 1
             accepted[pos] += pos < n - 1
-        score = float(n)
-        if expected:
-            score, alive = 1.0, 1.0
-            for pos in range(cap):
-                alive *= accepted[pos] / reached[pos]
-                score += alive
+        score = (expected_tokens([a / r for a, r in zip(accepted, reached)], cap) if expected
+                 else float(n))
         ladder.observe(i, 1, score, cost(cap) * rng.uniform(0.9, 1.1))
         got.append(speed(cap))
     return ladder.current.cap, got
