@@ -1,6 +1,6 @@
 """The verify ladder alone, at batch 1, against a synthetic drafter: where it ends, and how fast.
 
-    python scripts/sim_ladder.py [--seeds 40] [--steps 3000] [--z 2.0] [--expected]
+    python scripts/sim_ladder.py [--seeds 40] [--steps 3000] [--z 2.0] [--score measured]
 
 Each step is one request-round: the arm's cap c verifies up to c drafts, accepted left to
 right with the conditional rates ACCEPT (DSpark-like), so a round commits 1-9 tokens; the step
@@ -9,12 +9,11 @@ takes COST(c) plain steps (a verify block and a draft forward: 1.45 + 0.05 c) ti
 so a run is reproducible and shows what one-round tries can resolve. Prints the true speed of
 every cap over the best one, how many seeds end at each cap, and the speed the ladder achieved
 (over its last 1000 steps and over the whole run) as a share of the best cap's.
---z overrides the ladder's Z (standard errors a judged neighbour must clear). --expected scores
-each step by the tokens its round is expected to commit, from per-position acceptance pooled
-over every round so far (a Beta(1, 1) prior per position), instead of the tokens it committed.
-Here every cap accepts with the same per-position rates; in the engine they are not pooled so
-simply (a shorter block drafts differently, and positions past the current cap are seen only in
-tries), and that scoring moved DSpark at batch 16 to a deeper, slower cap (README, Benchmarks).
+--z overrides the ladder's Z (standard errors a judged neighbour must clear). --score chooses
+what a step counts: "measured" (the engine's: spec/policy.py round_score, the tokens a round
+commits on average at the conditional rates its arm measured, spec/acceptance.py
+MeasuredRates) or "committed" (the tokens the round committed, the engine's rule
+before: the mean of the logs of one round's scattered tokens judged the deepest caps slowest).
 """
 
 from __future__ import annotations
@@ -24,7 +23,9 @@ import random
 from collections import Counter
 
 import dspark_launch.spec.ladder as ladder_module
+from dspark_launch.spec.acceptance import MeasuredRates
 from dspark_launch.spec.ladder import Ladder
+from dspark_launch.spec.policy import MEASURED_AFTER, round_score
 
 ACCEPT = (0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5)  # P(draft i accepted | i - 1 were)
 
@@ -42,35 +43,26 @@ def tokens(cap: int, rng: random.Random) -> int:
     return n
 
 
-def expected_tokens(rates, cap: int) -> float:
-    """1 + the drafts a round verifying `cap` accepts on average, at these conditional rates."""
-    tau, alive = 1.0, 1.0
-    for rate in rates[:cap]:
-        alive *= rate
-        tau += alive
-    return tau
-
-
 def speed(cap: int) -> float:
     """Expected committed tokens per plain step's time."""
-    return expected_tokens(ACCEPT, cap) / cost(cap)
+    return round_score(ACCEPT, cap, 0) / cost(cap)  # every rate known: the expectation
 
 
-def run(seed: int, steps: int, expected: bool) -> tuple[int, list[float]]:
+def run(seed: int, steps: int, score: str) -> tuple[int, list[float]]:
     rng = random.Random(seed)
     ladder = Ladder(len(ACCEPT))
-    accepted, reached = [1.0] * len(ACCEPT), [2.0] * len(ACCEPT)  # Beta(1, 1) per position
+    measured = MeasuredRates(len(ACCEPT))
     got = []
     for _ in range(steps):
         i = ladder.pick()
         cap = ladder.arms[i].cap
         n = tokens(cap, rng)
-        for pos in range(min(n, cap)):  # the accepted drafts, then the first rejected one
-            reached[pos] += 1
-            accepted[pos] += pos < n - 1
-        score = (expected_tokens([a / r for a, r in zip(accepted, reached)], cap) if expected
-                 else float(n))
-        ladder.observe(i, 1, score, cost(cap) * rng.uniform(0.9, 1.1))
+        rates = measured.rates(i, MEASURED_AFTER)  # this arm's, from earlier steps
+        counted = round_score(rates, cap, n - 1) if score == "measured" else float(n)
+        measured.observe(i, cap, n - 1)
+        if cap:
+            measured.tick()  # the engine ages counts with drafting steps
+        ladder.observe(i, 1, counted, cost(cap) * rng.uniform(0.9, 1.1))
         got.append(speed(cap))
     return ladder.current.cap, got
 
@@ -81,7 +73,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=40)
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--z", type=float, default=None)
-    ap.add_argument("--expected", action="store_true")
+    ap.add_argument("--score", choices=("measured", "committed"), default="measured")
     args = ap.parse_args()
     if args.z is not None:
         ladder_module.Z = args.z
@@ -91,7 +83,7 @@ def main() -> None:
     ends: Counter[int] = Counter()
     late, whole = [], []
     for seed in range(args.seeds):
-        cap, got = run(seed, args.steps, args.expected)
+        cap, got = run(seed, args.steps, args.score)
         ends[cap] += 1
         late.append(sum(got[-1000:]) / len(got[-1000:]) / best)
         whole.append(sum(got) / len(got) / best)

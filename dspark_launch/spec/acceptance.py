@@ -209,6 +209,45 @@ class AcceptanceTracker:
         self._requests.pop(key, None)
 
 
+class MeasuredRates:
+    """Conditional acceptance per draft position exactly as measured (accepted / reached, no
+    prior), per key: the verify ladder's arm and request class. Each arm keeps its own: a
+    round of a shorter cap starts after fewer rejections and drafts from a shorter block,
+    and its first drafts were accepted more often (batch 1 greedy, survival of drafts 1-4:
+    DSpark 0.75/0.59/0.52/0.46 at cap 4, 0.73/0.52/0.44/0.37 at cap 8). Aged like the
+    tracker's counts, by drafting steps."""
+
+    def __init__(self, positions: int, decay: float = 0.99) -> None:
+        self.positions, self.decay = positions, decay
+        self._counts: dict[object, _Counts] = {}
+        self.now = 0
+
+    def observe(self, key: object, verified: int, accepted: int) -> None:
+        if verified <= 0:
+            return
+        counts = self._counts.get(key)
+        if counts is None:
+            counts = self._counts[key] = _Counts(self.positions, self.now)
+        counts.at(self.now, self.decay).add(verified, accepted)
+
+    def tick(self) -> None:
+        self.now += 1
+
+    def rates(self, key: object, least: float) -> list[float]:
+        """The key's rates at the leading positions reached in `least` rounds or more (aged
+        counts); [] before any."""
+        counts = self._counts.get(key)
+        if counts is None:
+            return []
+        counts.at(self.now, self.decay)
+        out = []
+        for reached, acc in zip(counts.reached, counts.accepted):
+            if reached < least:
+                break
+            out.append(acc / reached)
+        return out
+
+
 class ConfidenceCorrection:
     """Online per-position ratio realised / predicted conditional acceptance of calibrated
     confidences (per class), so DSpark's estimates stay honest at temperatures or on text the

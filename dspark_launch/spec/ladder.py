@@ -10,11 +10,11 @@ through the draft block it implies. So the policy measures what each choice real
 
 An arm is (cap, model): every request verifies at most `cap` drafts; with `model` the cost
 model decides within the cap (Algorithm 1 and best_prefix), without it every request verifies
-the cap (cap 0: plain decoding). A step's speed is the tokens its requests committed (for
-every drafter: DSpark's confidences overstated what deep caps and sampled rounds commit, see
-VerifyPolicy.record) per request-round, over its seconds in units of a yardstick step of
-those tokens (the start-up profile, never refined, so that a batch of 4 and one of 16
-compare).
+the cap (cap 0: plain decoding). A step's speed is the tokens its requests commit (on
+average at the acceptance rates this run measured, where measured: spec/policy.py
+round_score; never a prediction, see VerifyPolicy.record) per request-round, over its seconds
+in units of a yardstick step of those tokens (the start-up profile, never refined, so that a
+batch of 4 and one of 16 compare).
 
 Paired comparisons: this machine's speed drifts by +-15% within seconds, and a cold start is
 slower still, so arms measured at different times do not compare. The ladder plays its current

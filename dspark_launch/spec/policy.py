@@ -66,6 +66,7 @@ import torch
 from dspark_launch.spec.acceptance import (
     AcceptanceTracker,
     ConfidenceCorrection,
+    MeasuredRates,
     apply_temperatures,
 )
 from dspark_launch.spec.cost_curve import CostCurve, profile_points
@@ -90,6 +91,9 @@ PLAIN_EMA, PLAIN_OUTLIER = 0.3, 1.3
 # context costs for a few steps in every EXPLORE_MAX (the draft's context projection of every
 # token was 3-5% of the tiny target's forward at batch 16 and 64).
 WAKE_AHEAD = 32
+# A draft position's measured rate scores the ladder's rounds (round_score) once this many
+# rounds (aged) reached it; the positions past it are scored by what the round accepted there.
+MEASURED_AFTER = 8
 CALIBRATION_EVERY = 4  # fixed-cap steps whose estimates are kept for the report: one in 4
 IDLE_RECHECK = 8  # while nobody drafts, the same requests are re-planned every 8th step
 FACTOR_RATE = 0.2  # EMA weight of one drafting step in VerifyPolicy.drafting_factor ...
@@ -150,6 +154,30 @@ def choose_lengths(
     worse = np.nonzero(theta[1:] <= theta[:-1])[0]
     admitted = int(worse[0]) if worse.size else len(a)  # early stop at the first non-improver
     return Choice(_lengths(reqs, r, j, admitted), float(tau[admitted]), base_tokens + admitted)
+
+
+def round_score(rates: Sequence[float], verified: int, accepted: int) -> float:
+    """What the ladder counts for one request-round that verified `verified` drafts and
+    accepted `accepted`: the tokens it commits on average at the measured conditional rates
+    (`rates`, measured by the same arm in earlier steps: spec/acceptance.py MeasuredRates)
+    over the positions they cover, plus the drafts it accepted past them.
+
+    Its mean is the mean of the tokens committed, 1 + E[min(A, verified)] for a round whose
+    first rejected draft is A + 1: the first part is E[min(A, k)] with k = min(verified,
+    len(rates)), the second E[min(A, verified)] - E[min(A, k)]. But it scatters only where no
+    rate is measured yet. Why that matters: the ladder averages the log of a step's speed,
+    and at batch 1 a step is one round, whose 1 to 9 tokens scatter so widely that the mean
+    of their logs sits below the log of their mean (by 0.19, i.e. 17%, for the simulated
+    rounds of 3.9 tokens at cap 8; less at lower caps, 0 for plain decoding). Caps 4 to 8
+    differ by 2-5%: scored on committed tokens, the arms that draft most were judged slowest,
+    and the simulated ladder ended at caps 2 to 4 in a third of the runs
+    (scripts/sim_ladder.py)."""
+    known = min(verified, len(rates))
+    tokens, alive = 1.0, 1.0
+    for rate in rates[:known]:
+        alive *= rate
+        tokens += alive
+    return tokens + max(0, accepted - known)
 
 
 def fixed_lengths(limits: Sequence[int], base_tokens: int) -> Choice:
@@ -286,6 +314,9 @@ class VerifyPolicy:
         self.correction = ConfidenceCorrection(positions)
         self.metrics = PolicyMetrics(positions)
         self._survival: dict[object, list[float]] = {}  # this step's a_{r,1..} per request
+        # Acceptance as each ladder arm measured it (round_score), and this step's reads
+        self.measured = MeasuredRates(positions)
+        self._rates: dict[tuple, list[float]] = {}
         self._idle = 0  # consecutive steps planned without any draft
         self._probe_every = PROBE_EVERY
         self._drafting = False  # the last step planned drafts
@@ -318,6 +349,7 @@ class VerifyPolicy:
     def plan(self, keys: Sequence[object], classes: Sequence[str], limits: Sequence[int],
              base_tokens: int) -> list[int]:
         self._survival = {}
+        self._rates = {}
         self._pending, self._played = self._played, None
         self.dormant = False
         if not self.adaptive or not keys:
@@ -482,14 +514,21 @@ class VerifyPolicy:
         m.lengths[verified] += 1
         surv = self._survival.get(key)
         if self._played is not None:
-            # The ladder scores the tokens committed, not the tokens expected: DSpark's
-            # confidences overstate deep positions and sampled rounds (scored on them, batch
-            # 16 greedy climbed to caps that ran at 1.01x plain decoding where cap 4 ran
-            # 1.2x, and batch 1 at T=1 left plain decoding for 0.72x), and DFlash/NGRAM
-            # estimates lean on an optimistic prior. A round's 1 to 9 tokens scatter, but
-            # the top cap is measured first, and where it pays it pays by far.
-            self._played.rounds += 1
-            self._played.committed += 1 + accepted
+            # The ladder scores what rounds commit, on average at the rates this run
+            # measured (round_score): never a prediction. DSpark's confidences overstate deep
+            # positions and sampled rounds (scored on them, batch 16 greedy climbed to caps
+            # that ran at 1.01x plain decoding where cap 4 ran 1.2x, and batch 1 at T=1 left
+            # plain decoding for 0.72x), and the tracker's rates lean on an optimistic prior
+            # where little was measured (scored on those, batch 16 moved to cap 7, 1.06x,
+            # from cap 4, 1.17x).
+            played = self._played
+            arm = (played.ladder, played.arm, cls)
+            rates = self._rates.get(arm)
+            if rates is None:  # as of the step's plan: from earlier steps only
+                rates = self._rates[arm] = self.measured.rates(arm, MEASURED_AFTER)
+            played.rounds += 1
+            played.committed += round_score(rates, verified, accepted)
+            self.measured.observe(arm, verified, accepted)
         self._accepted = self._accepted or accepted > 0
         self.tracker.observe(key, cls, verified, accepted)
         if surv is None:
@@ -528,6 +567,7 @@ class VerifyPolicy:
         if draft_rows:
             self.draft_curve.observe(draft_rows, draft_s)
             self.tracker.tick()
+            self.measured.tick()
             self.correction.tick()
 
     def _observe_ladder(self, seconds: float) -> None:
@@ -564,7 +604,7 @@ class _Played:
     arm: int  # index into ladder.arms
     base_tokens: int
     rounds: int = 0  # requests recorded
-    committed: float = 0.0  # tokens they committed (see record())
+    committed: float = 0.0  # tokens they committed, as round_score counts them
 
 
 def top_cap(curve: CostCurve, requests: int, max_drafts: int) -> int:

@@ -57,6 +57,22 @@ def test_profile_times_every_point_with_warmup():
     assert curve.seconds == pytest.approx([0.012, 0.018, 0.042])
 
 
+def test_a_point_timed_in_a_slow_spell_takes_the_next_points_time():
+    """Every timed run of the first point lands in a slow spell (4x its cost): the curve
+    lowers it to the next point's time and leaves the others as timed, instead of raising
+    every later point to it (a cached curve read one slow time at every point)."""
+    clock = FakeClock()
+    forward = clock.forward
+
+    def slow_first(n: int) -> None:
+        forward(n)
+        if n == 1:
+            clock.t += 3 * (0.01 + 0.002 * n)
+
+    curve = profile(slow_first, [1, 4, 16], repeats=3, clock=clock)
+    assert curve.seconds == pytest.approx([0.018, 0.018, 0.042])
+
+
 def test_online_refinement_converges():
     c = CostCurve([1, 8, 64], [1.0, 1.0, 1.0], ema=0.2)
     for _ in range(300):

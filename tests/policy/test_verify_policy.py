@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from dspark_launch.spec.cost_curve import CostCurve
-from dspark_launch.spec.policy import PLAIN_EVERY, VerifyPolicy, merge_metrics, top_cap
+from dspark_launch.spec.policy import (
+    PLAIN_EVERY,
+    VerifyPolicy,
+    merge_metrics,
+    round_score,
+    top_cap,
+)
 
 LIMIT = 7
 REQS = 4
@@ -180,3 +186,31 @@ def test_each_batch_size_has_its_own_ladder():
                                       "greedy, batch 3-4", "greedy, batch 33-64"]
     assert policy.ladders["greedy, batch 33-64"].top == top_cap(policy.reference, 64, LIMIT)
     assert policy.ladders["greedy, batch 1"].top == LIMIT
+
+
+@pytest.mark.parametrize("verified", [0, 1, 3, 8])
+@pytest.mark.parametrize("known", [0, 2, 5, 8])
+def test_round_score_averages_to_the_tokens_committed_and_scatters_less(verified, known):
+    """Exactly, over the distribution of a round (no sampling): with the first `known`
+    conditional rates measured (true here), the ladder's score of a round has the mean of the
+    tokens the round commits, 1 + E[min(A, verified)], and no more variance; none at all
+    once every verified position is measured."""
+    rates = [0.9, 0.8, 0.75, 0.7, 0.6, 0.55, 0.5, 0.4]
+    probs, alive = [], 1.0  # P(exactly a drafts accepted of `verified`)
+    for a in range(verified):
+        probs.append(alive * (1 - rates[a]))
+        alive *= rates[a]
+    probs.append(alive)
+    committed = [1.0 + a for a in range(verified + 1)]
+    scores = [round_score(rates[:known], verified, a) for a in range(verified + 1)]
+
+    def mean(xs):
+        return sum(p * x for p, x in zip(probs, xs))
+
+    def var(xs):
+        return mean([x * x for x in xs]) - mean(xs) ** 2
+
+    assert mean(scores) == pytest.approx(mean(committed), rel=1e-12)
+    assert var(scores) <= var(committed) + 1e-12
+    if known >= verified:
+        assert var(scores) == pytest.approx(0.0, abs=1e-12)
