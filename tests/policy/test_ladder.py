@@ -293,7 +293,8 @@ def batch_1_rounds(score: str, seed: int, steps: int) -> list[int]:
         rates = measured.rates(i, MEASURED_AFTER)
         counted = round_score(rates, cap, accepted) if score == "measured" else 1.0 + accepted
         measured.observe(i, cap, accepted)
-        measured.tick()
+        if cap:
+            measured.tick()  # as the policy does: counts age with drafting steps
         ladder.observe(i, 1, counted, round_cost(cap) * rng.uniform(0.9, 1.1))
         played.append(cap)
     return played
