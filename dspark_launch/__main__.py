@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dspark_launch.args import RunConfig, resolve_config
+from dspark_launch.comm import all_gather_object
 from dspark_launch.errors import ConfigError, LaunchError
 from dspark_launch.failure import (
     BROKEN,
@@ -73,8 +74,7 @@ def report_topology() -> list[dict]:
     """Gather every rank's layout to rank 0 and print it there, one JSON line per rank."""
     state = get_parallel()
     mine = layout_report(state)
-    everyone: list[dict] = [{}] * state.world_size
-    dist.all_gather_object(everyone, mine, group=state.cpu_group)
+    everyone: list[dict] = all_gather_object(mine)
     if state.rank == 0:
         logger.info(
             "topology: world=%d tp=%d attn_tp=%d attn_dp=%d backend=%s",

@@ -15,8 +15,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 
-import torch.distributed as dist
-
+from dspark_launch.comm import all_gather_object
 from dspark_launch.errors import RuntimeFailure
 from dspark_launch.failure import fault_wanted
 from dspark_launch.parallel import get_parallel
@@ -60,11 +59,7 @@ def check_commits(digests: list[int], step: int, commits: Commits) -> None:
     split = [g for g in attn_tp_groups() if len({digests[r] for r in g}) > 1]
     if not split:
         return
-    state = get_parallel()
-    everyone: list[Commits] = [commits]
-    if state.world_size > 1:
-        everyone = [{} for _ in range(state.world_size)]
-        dist.all_gather_object(everyone, commits, group=state.cpu_group)
+    everyone: list[Commits] = all_gather_object(commits)
     group = split[0]
     first = group[0]
     rids = sorted({rid for r in group for rid in everyone[r]

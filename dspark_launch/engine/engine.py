@@ -23,9 +23,9 @@ import time
 from dataclasses import dataclass, replace
 
 import torch
-import torch.distributed as dist
 
 from dspark_launch.attention import build_metadata, upload
+from dspark_launch.comm import all_gather_object
 from dspark_launch.engine.accept import LogitRows, accept
 from dspark_launch.engine.divergence import (
     check_commits,
@@ -517,6 +517,4 @@ class Engine:
         if state.attn_dp_size == 1 or not gather:
             return mine
         send = mine if state.attn_tp_rank == 0 else []
-        everyone: list[list[RequestOutput]] = [[] for _ in range(state.world_size)]
-        dist.all_gather_object(everyone, send, group=state.cpu_group)
-        return [o for part in everyone for o in part]
+        return [o for part in all_gather_object(send) for o in part]

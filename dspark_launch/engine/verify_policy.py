@@ -14,10 +14,9 @@ import math
 import os
 
 import torch
-import torch.distributed as dist
 
 from dspark_launch.attention import build_metadata
-from dspark_launch.comm import broadcast_object
+from dspark_launch.comm import all_gather_object, broadcast_object
 from dspark_launch.log import logger
 from dspark_launch.parallel import get_parallel
 from dspark_launch.spec.acceptance import load_calibration
@@ -104,11 +103,7 @@ def gather_policy_report(engine) -> dict | None:
         return None
     state = get_parallel()
     mine = policy.report() if state.attn_tp_rank == 0 else None
-    parts = [mine]
-    if state.world_size > 1:
-        parts = [None] * state.world_size
-        dist.all_gather_object(parts, mine, group=state.cpu_group)
-    parts = [p for p in parts if p is not None]
+    parts = [p for p in all_gather_object(mine) if p is not None]
     merged = merge_metrics(parts)
     merged["policy"] = policy.mode
     merged["cost_curves"] = [p["cost_curve"] for p in parts]  # one per attn_dp group
