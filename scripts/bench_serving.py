@@ -39,7 +39,8 @@ from pathlib import Path
 
 import torch
 
-from dspark_launch.engine.build import ASSETS, EngineArgs, build_engine, freeze_heap
+from dspark_launch.engine.build import ASSETS, EngineArgs, build_engine
+from dspark_launch.engine.heap import freeze_heap
 from dspark_launch.engine.inputs import BUILTIN_PROMPTS
 from dspark_launch.engine.params import SamplingParams
 from dspark_launch.engine.request import RequestSpec

@@ -68,6 +68,10 @@ def run_world(
 ) -> list[Any]:
     """Run fn(rank, *args) on a forked gloo world of `world_size`; results in rank order."""
     gc.collect()  # no half-dead gloo group may be collected inside a child (it would hang there)
+    # ... and what is alive now stays out of the collector's view, here and in the children:
+    # each rank's collections (engine build and shutdown, teardown) walked this process's
+    # whole heap otherwise, ~0.1 s each and a copy of every page they touched
+    gc.freeze()
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("fork")
     results = ctx.Queue()

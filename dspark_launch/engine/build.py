@@ -6,7 +6,6 @@ their own inputs to EngineArgs; the engine never sees argparse.
 
 from __future__ import annotations
 
-import gc
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -204,13 +203,3 @@ def build_engine(args: EngineArgs) -> Engine:
     engine.policy = build_verify_policy(engine, args.speculative_policy, args.profile_cost_curve,
                                         ckpt.draft, ckpt.algorithm)
     return engine
-
-
-def freeze_heap() -> None:
-    """For a process that keeps its engine for its whole life (the CLI job, the server, a
-    benchmark while it measures): move everything alive now out of the cyclic collector's
-    view. A full collection walked the engine's heap in ~85 ms, once every ~5 s at batch 1
-    (1.7% of the decode time when it struck). Not for the embedded LLM: the heap is the host
-    program's."""
-    gc.collect()
-    gc.freeze()

@@ -18,7 +18,6 @@ every rank through the next step's exchange and join that step.
 
 from __future__ import annotations
 
-import gc
 import time
 from dataclasses import dataclass, replace
 
@@ -34,6 +33,7 @@ from dspark_launch.engine.divergence import (
     inject_divergence,
 )
 from dspark_launch.engine.exchange import IDLE_WAIT_S, Flags, Inbox, exchange, token_counts
+from dspark_launch.engine.heap import thaw_heap
 from dspark_launch.engine.placement import CacheAwarePlacer
 from dspark_launch.engine.request import (
     Request,
@@ -155,8 +155,7 @@ class Engine:
     def shutdown(self) -> None:
         """Drop the models, pools and table; the engine cannot step afterwards."""
         self.target = self.proposer = self.memory = self.space = self.sched = None
-        gc.unfreeze()  # build.freeze_heap: what it froze may now be garbage
-        gc.collect()
+        thaw_heap()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dspark_launch.comm import broadcast_object
-from dspark_launch.engine.build import ASSETS, EngineArgs, build_engine, freeze_heap
+from dspark_launch.engine.build import ASSETS, EngineArgs, build_engine
+from dspark_launch.engine.heap import freeze_heap
 from dspark_launch.engine.inputs import BUILTIN_PROMPTS, build_specs, read_prompt_file
 from dspark_launch.engine.output import (
     OutputWriter,

@@ -14,7 +14,8 @@ import time
 
 from dspark_launch.api import default_sampling
 from dspark_launch.comm import agreed
-from dspark_launch.engine.build import EngineArgs, build_engine, freeze_heap
+from dspark_launch.engine.build import EngineArgs, build_engine
+from dspark_launch.engine.heap import freeze_heap
 from dspark_launch.errors import ConfigError
 from dspark_launch.log import logger
 from dspark_launch.parallel import get_parallel
