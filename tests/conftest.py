@@ -1,3 +1,4 @@
+import gc
 import os
 import sys
 
@@ -11,6 +12,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 # each other (a 32-token decode went from ~4.5 s to ~0.08 s on a loaded 2-core machine), and a
 # fork taken while an OpenMP pool is alive can hang the child.
 torch.set_num_threads(1)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """multirank.run_world froze this process's heap before forking; thaw it, so that what it
+    froze is freed before the interpreter exits (triton's bindings report what is not)."""
+    gc.unfreeze()
+    gc.collect()
 
 
 @pytest.fixture(autouse=True, scope="session")
