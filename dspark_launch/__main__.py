@@ -27,11 +27,12 @@ from dspark_launch.failure import (
     conclude,
     config_verdict,
     install_signal_handlers,
+    posted_verdicts,
     progress,
     received_signal,
     record_signals_only,
     roll_call,
-    signal_verdict,
+    signal_or_follow,
     store_of_world,
     verdict_wait_s,
 )
@@ -119,7 +120,7 @@ def stop(state: ParallelState, err: BaseException) -> int:
         if state.rank == 0:
             print(f"dspark_launch: error: {err}", file=sys.stderr, flush=True)
         return err.exit_code
-    verdict = _verdict(err)
+    verdict = _verdict(err, state.world_size)
     if verdict is None:  # this rank's own failure: its traceback, here
         print(f"dspark_launch: error: rank {state.rank} failed during {progress.where()}: "
               f"{type(err).__name__}: {err}\n{traceback.format_exc()}", file=sys.stderr,
@@ -135,20 +136,31 @@ def stop(state: ParallelState, err: BaseException) -> int:
     return end.exit_code
 
 
-def _verdict(err: BaseException) -> str | None:
+def _verdict(err: BaseException, world_size: int) -> str | None:
     """What this rank tells the others in the roll call (None: a failure of its own)."""
     if isinstance(err, Interrupted):
-        return signal_verdict(err.signum)
+        return signal_or_follow(err.signum, _posted(world_size))
     if is_collective_failure(err):
         # What this rank knows is that its collective broke, even if a signal came meanwhile:
         # torchrun's agent SIGTERMs the survivors of a dead rank, maybe before they notice.
         # A real stop signal reaches every rank, and their verdicts say so in the roll call.
         return BROKEN
     if signum := received_signal():
-        return signal_verdict(signum)
+        return signal_or_follow(signum, _posted(world_size))
     if isinstance(err, ConfigError):
         return config_verdict(str(err))
     return None
+
+
+def _posted(world_size: int) -> dict[int, str]:
+    """The roll call's verdicts so far (none when there is no store left to ask)."""
+    store = store_of_world()
+    if store is None or world_size == 1:
+        return {}
+    try:
+        return posted_verdicts(store, world_size)
+    except Exception:  # noqa: BLE001 - the store itself is gone
+        return {}
 
 
 def engine_and_job_args(cfg: RunConfig):

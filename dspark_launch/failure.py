@@ -157,6 +157,16 @@ def store_of_world():
         return None
 
 
+VERDICT_KEY = "dspark/verdict"
+
+
+def posted_verdicts(store, world_size: int, skip=()) -> dict[int, str]:
+    """The verdicts ranks (but those in `skip`) have posted so far; raises when the store is
+    gone."""
+    return {r: store.get(f"{VERDICT_KEY}/{r}").decode() for r in range(world_size)
+            if r not in skip and store.check([f"{VERDICT_KEY}/{r}"])}
+
+
 def roll_call(store, rank: int, world_size: int, verdict: str, wait_s: float) -> dict[int, str]:
     """Post this rank's verdict; the verdicts posted until every rank has answered, or wait_s
     passed, or (for a rank whose collective broke) some rank posted a reason: its peers may be
@@ -165,15 +175,12 @@ def roll_call(store, rank: int, world_size: int, verdict: str, wait_s: float) ->
     a prefix per attempt)."""
     if store is None or world_size == 1:
         return {rank: verdict}
-    key = "dspark/verdict"
     try:
-        store.set(f"{key}/{rank}", verdict)
+        store.set(f"{VERDICT_KEY}/{rank}", verdict)
         deadline = time.monotonic() + wait_s
         answers: dict[int, str] = {}
         while True:
-            for r in range(world_size):
-                if r not in answers and store.check([f"{key}/{r}"]):
-                    answers[r] = store.get(f"{key}/{r}").decode()
+            answers.update(posted_verdicts(store, world_size, skip=answers))
             reason = verdict == BROKEN and any(v != BROKEN for v in answers.values())
             if len(answers) == world_size or reason or time.monotonic() >= deadline:
                 return answers
@@ -184,6 +191,17 @@ def roll_call(store, rank: int, world_size: int, verdict: str, wait_s: float) ->
 
 def signal_verdict(signum: int) -> str:
     return f"signal {signum}"
+
+
+def signal_or_follow(signum: int, posted: dict[int, str]) -> str:
+    """A stop signal's verdict, unless a peer had already posted a configuration error: that
+    peer then ended its process, and torchrun stops the survivors of a rank that exited, so
+    the signal is the error's consequence (a survivor still working, not yet blocked behind
+    the peer, got it first). It follows the peer out (BROKEN), and the job ends as the error
+    says: exit 2, in that rank's words."""
+    if any(v.startswith("config ") for v in posted.values()):
+        return BROKEN
+    return signal_verdict(signum)
 
 
 def config_verdict(message: str) -> str:
@@ -237,10 +255,13 @@ def conclude(rank: int, world_size: int, answers: dict[int, str], noticed: str =
                       f"during {progress.where()} (noticed by rank {rank}: {noticed})")
 
 
-# Test hook: "RANK:WHERE:KIND", first attempt only. WHERE is a decode step or a named point
-# ("load", "rewrite-partial", "rewrite-written", "rewrite-replaced"); KIND is raise, kill,
-# hang, config (a ConfigError on that rank only) or diverge (engine/divergence.py).
+# Test hook: "RANK:WHERE:KIND[,RANK:WHERE:KIND...]", first attempt only. WHERE is a decode
+# step or a named point ("load", "budget", "rewrite-partial", "rewrite-written",
+# "rewrite-replaced"); KIND is raise, kill, hang, config (a ConfigError on that rank only),
+# stall (STALL_S seconds of work there: a signal still stops it) or diverge
+# (engine/divergence.py).
 FAULT_ENV = "DSPARK_FAULT"
+STALL_S = 10.0
 
 
 def fault_wanted(rank: int, where: int | str) -> str | None:
@@ -249,8 +270,11 @@ def fault_wanted(rank: int, where: int | str) -> str | None:
     # Only the first attempt fails: a job restarted by torchrun --max-restarts runs clean.
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return None
-    want_rank, want_where, kind = spec.split(":")
-    return kind if int(want_rank) == rank and want_where == str(where) else None
+    for fault in spec.split(","):
+        want_rank, want_where, kind = fault.split(":")
+        if int(want_rank) == rank and want_where == str(where):
+            return kind
+    return None
 
 
 def inject_fault(rank: int | None, where: int | str) -> None:
@@ -269,3 +293,5 @@ def inject_fault(rank: int | None, where: int | str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "hang":
         time.sleep(10**6)
+    if kind == "stall":
+        time.sleep(STALL_S)

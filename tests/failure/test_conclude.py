@@ -60,3 +60,32 @@ def test_dead_rank_is_named_by_the_lowest_survivor() -> None:
     assert ends[0] == (1, True, "rank(s) [0, 2] of 4 stopped answering during loading "
                                 "(noticed by rank 1: noticed)")
     assert ends[1][:2] == (1, False)
+
+
+def test_a_signal_after_a_peers_config_error_follows_it_out() -> None:
+    """torchrun signals the survivors of a rank that exited: a rank signalled once a peer had
+    posted a configuration error follows that error (exit 2, said by the peer alone); with
+    no such error posted, a signal is a signal."""
+    from dspark_launch.failure import signal_or_follow
+
+    assert signal_or_follow(15, {2: config_verdict("budget too small")}) == BROKEN
+    assert signal_or_follow(15, {}) == signal_verdict(15)
+    assert signal_or_follow(15, {1: BROKEN, 3: FAILED}) == signal_verdict(15)
+    answers = {0: signal_or_follow(15, {2: config_verdict("budget too small")}), 1: BROKEN,
+               2: config_verdict("budget too small"), 3: BROKEN}
+    ends = _all(answers)
+    assert [e[0] for e in ends] == [2, 2, 2, 2]
+    assert [(e[1], e[2]) for e in ends if e[1]] == [(True, "on rank(s) [2]: budget too small")]
+
+
+def test_posted_verdicts_reads_what_ranks_posted_in_a_real_store() -> None:
+    import torch.distributed as dist
+
+    from dspark_launch.failure import VERDICT_KEY, posted_verdicts
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    assert posted_verdicts(store, 4) == {}
+    store.set(f"{VERDICT_KEY}/2", config_verdict("A"))
+    store.set(f"{VERDICT_KEY}/0", BROKEN)
+    assert posted_verdicts(store, 4) == {0: BROKEN, 2: config_verdict("A")}
+    assert posted_verdicts(store, 4, skip={0}) == {2: config_verdict("A")}

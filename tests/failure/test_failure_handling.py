@@ -204,3 +204,19 @@ def test_config_error_on_rank_2_of_4_reaches_the_user(job: dict) -> None:
                             "DSPARK_FAULT=2:budget:config"]
     assert "stopped answering" not in err
     assert not [p for p in _pids(err) if _alive(p)]
+
+
+def test_config_error_while_a_peer_still_works_is_not_reported_as_a_signal(job: dict) -> None:
+    """Rank 2 refuses its budget while rank 0 is still busy before the next collective (as a
+    rank starved on a loaded machine was): torchrun stops rank 0 with SIGTERM once rank 2
+    exits, and the job still ends as rank 2's error says, not as an interrupted one."""
+    cmd = LAUNCH[:3] + ["--nproc-per-node", "4"] + LAUNCH[5:]
+    faults = "2:budget:config,0:budget:stall"
+    rc, err, wall = _run(cmd + job["flags"] + ["--dist-timeout", "120"],
+                         {**ENV, "DSPARK_FAULT": faults})
+    assert rc == 2, err[-3000:]
+    assert wall < 60
+    assert _errors(err) == ["dspark_launch: error: on rank(s) [2]: fault injected on rank 2 by "
+                            f"DSPARK_FAULT={faults}"]
+    assert "interrupted" not in err
+    assert not [p for p in _pids(err) if _alive(p)]
