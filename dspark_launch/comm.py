@@ -22,12 +22,13 @@ def group_size(group: dist.ProcessGroup | None) -> int:
 
 # Gloo runs an all-reduce as a ring of 2(n-1) sequential hops and an all-gather as n-1, each
 # handed to its worker thread; a decode step's tensors are tiny, so on a CPU world that latency
-# is the step. Forked gloo ranks on 2 cores, a [3, 256] fp32 sum: 23.9 ms by dist.all_reduce
-# against 2.8 ms by recursive doubling over send/recv at 8 ranks (5.8 / 0.95 ms at 4, 1.86 /
-# 0.21 ms at 2). Recursive doubling: log2(n) rounds, each an exchange with rank XOR 2^k.
-# Every pair adds the same two tensors (IEEE addition commutes), so all ranks end bitwise
-# equal, as the engine needs. The ring's bandwidth wins for large tensors: above this many
-# bytes an all-reduce stays gloo's (an all-gather moves the same bytes either way).
+# is the step. Forked gloo ranks on 2 cores, a [16, 256] fp32 sum: 20.1 ms by dist.all_reduce
+# against 3.4 ms by recursive doubling over send/recv at 8 ranks, 5.0 / 1.4 ms at 4, 0.75 /
+# 0.33 ms at 2 (scripts/bench_collectives.py). Recursive doubling: log2(n) rounds, each an
+# exchange with rank XOR 2^k. Every pair adds the same two tensors (IEEE addition commutes),
+# so all ranks end bitwise equal, as the engine needs. The ring's bandwidth wins for large
+# tensors: above this many bytes an all-reduce stays gloo's (an all-gather moves the same
+# bytes either way).
 DOUBLING_MAX_BYTES = 1 << 20
 
 
