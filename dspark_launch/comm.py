@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable
-from functools import cache
 from typing import Any, TypeVar
 
 import torch
@@ -32,15 +31,14 @@ def group_size(group: dist.ProcessGroup | None) -> int:
 DOUBLING_MAX_BYTES = 1 << 20
 
 
-@cache
 def _doubling_peers(group: dist.ProcessGroup) -> tuple[int, list[int]] | None:
     """(this rank's index in `group`, the group's global ranks) where recursive doubling
-    applies: a gloo group of a power-of-two size above one; else None."""
+    applies: a gloo group of a power-of-two size above one; else None. ~2 us a call, not
+    cached: a cache would keep destroyed groups (and their sockets) alive."""
     n = group.size()
     if n < 2 or n & (n - 1) or dist.get_backend(group) != "gloo":
         return None
-    ranks = [dist.get_global_rank(group, i) for i in range(n)]
-    return ranks.index(dist.get_rank()), ranks
+    return group.rank(), dist.get_process_group_ranks(group)
 
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, peer: int,
