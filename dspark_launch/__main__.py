@@ -146,7 +146,10 @@ def _verdict(err: BaseException, world_size: int) -> str | None:
         # A real stop signal reaches every rank, and their verdicts say so in the roll call.
         return BROKEN
     if signum := received_signal():
-        return signal_or_follow(signum, _posted(world_size))
+        verdict = signal_or_follow(signum, _posted(world_size))
+        if verdict == BROKEN and isinstance(err, ConfigError):
+            return config_verdict(str(err))  # its own error, next to the peer's
+        return verdict
     if isinstance(err, ConfigError):
         return config_verdict(str(err))
     return None

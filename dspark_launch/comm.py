@@ -51,7 +51,10 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, peer: int,
 
 def _doubling(tensor: torch.Tensor, group: dist.ProcessGroup | None
               ) -> tuple[int, list[int]] | None:
-    if group is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
+    # Decided from what every rank of the group shares (the group, the tensor's device, shape
+    # and dtype), never from one rank's memory layout: ranks that chose differently would wait
+    # on each other's messages forever.
+    if group is None or tensor.device.type != "cpu":
         return None
     return _doubling_peers(group)
 
@@ -60,17 +63,21 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
     """Sum in place over `group` (tp or attn_tp); returns the tensor."""
     if group_size(group) == 1:
         return tensor
-    peers = _doubling(tensor, group)
-    if peers is None or tensor.numel() * tensor.element_size() > DOUBLING_MAX_BYTES:
-        dist.all_reduce(tensor, group=group)
-        return tensor
-    me, ranks = peers
-    theirs = torch.empty_like(tensor)
-    k = 1
-    while k < len(ranks):
-        _exchange(tensor, theirs, ranks[me ^ k], group)
-        tensor.add_(theirs)
-        k *= 2
+    # Both paths take contiguous memory (gloo's all-reduce summed a transposed view wrongly).
+    total = tensor.contiguous()
+    peers = _doubling(total, group)
+    if peers is None or total.numel() * total.element_size() > DOUBLING_MAX_BYTES:
+        dist.all_reduce(total, group=group)
+    else:
+        me, ranks = peers
+        theirs = torch.empty_like(total)
+        k = 1
+        while k < len(ranks):
+            _exchange(total, theirs, ranks[me ^ k], group)
+            total.add_(theirs)
+            k *= 2
+    if total is not tensor:
+        tensor.copy_(total)
     return tensor
 
 

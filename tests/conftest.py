@@ -15,8 +15,9 @@ torch.set_num_threads(1)
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
-    """multirank.run_world froze this process's heap before forking; thaw it, so that what it
-    froze is freed before the interpreter exits (triton's bindings report what is not)."""
+    """An in-process job that failed between freeze_heap and its engine's shutdown leaves the
+    heap frozen: thaw it, so that what it froze is freed before the interpreter exits
+    (triton's bindings report what is not)."""
     gc.unfreeze()
     gc.collect()
 

@@ -67,10 +67,15 @@ def run_world(
     env: dict[str, str] | None = None,
 ) -> list[Any]:
     """Run fn(rank, *args) on a forked gloo world of `world_size`; results in rank order."""
-    gc.collect()  # no half-dead gloo group may be collected inside a child (it would hang there)
-    # ... and what is alive now stays out of the collector's view, here and in the children:
-    # each rank's collections (engine build and shutdown, teardown) walked this process's
-    # whole heap otherwise, ~0.1 s each and a copy of every page they touched
+    # No half-dead gloo group may be collected inside a child (it would hang there): collect
+    # here, frozen objects too (an in-process job that failed before its engine's shutdown
+    # leaves its freeze) ...
+    gc.unfreeze()
+    gc.collect()
+    # ... and what is alive now stays out of the children's collector's view: each rank's
+    # collections (engine build and shutdown, teardown) walked this whole process's heap
+    # otherwise, ~0.1 s each and a copy of every page they touched. Thawed here once they are
+    # forked: this process's own engines collect as usual.
     gc.freeze()
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("fork")
@@ -86,6 +91,7 @@ def run_world(
     ]
     for proc in procs:
         proc.start()
+    gc.unfreeze()
     go.set()
     outcome: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout

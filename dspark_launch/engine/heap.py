@@ -10,8 +10,17 @@ before forking ranks) keeps its own freeze.
 from __future__ import annotations
 
 import gc
+import os
 
 _thaw = False  # freeze_heap found nothing frozen: thaw_heap unfreezes
+
+
+def _forked() -> None:
+    global _thaw
+    _thaw = False  # a forked child's frozen heap is its parent's freeze, not this engine's
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def freeze_heap() -> None:

@@ -43,6 +43,13 @@ def _collectives(rank: int, world: int, attn_dp: int) -> dict:
         parts = comm.all_gather(_tensor(rank, (2, 3), torch.float32), group)
         out[name, "gather"] = all(torch.equal(p, _tensor(r, (2, 3), torch.float32))
                                   for p, r in zip(parts, members, strict=True))
+    # A view on some ranks and a contiguous tensor on others: the same path everywhere (a
+    # choice by memory layout would leave ranks waiting on each other), summed in place.
+    base = _tensor(rank, (4, 6), torch.float32).t()  # [6, 4], not contiguous
+    view = base if rank % 2 == 0 else base.contiguous()
+    comm.all_reduce(view, state.tp_group)
+    exact = sum(_tensor(r, (4, 6), torch.float32).double().t() for r in range(world))
+    out["view_err"] = float((view.double() - exact).abs().max() / exact.abs().max())
     # Objects of different sizes (the step's outputs: rank 0 often has more to say).
     out["objects"] = comm.all_gather_object({"rank": rank, "payload": "x" * (rank * 37)})
     return out
@@ -56,7 +63,9 @@ def test_collectives_sum_gather_and_agree_bitwise(world: int, attn_dp: int) -> N
     for rank, got in enumerate(results):
         group_leader = rank // attn_tp * attn_tp
         for key, value in got.items():
-            if key == "objects":
+            if key == "view_err":
+                assert value <= 1e-6, (rank, value)
+            elif key == "objects":
                 assert value == [{"rank": r, "payload": "x" * (r * 37)} for r in range(world)]
             elif key[1] == "gather":
                 assert value, (rank, key)
