@@ -21,9 +21,9 @@ def group_size(group: dist.ProcessGroup | None) -> int:
 
 # Gloo runs an all-reduce as a ring of 2(n-1) sequential hops and an all-gather as n-1, each
 # handed to its worker thread; a decode step's tensors are tiny, so on a CPU world that latency
-# is the step. Forked gloo ranks on 2 cores, a [16, 256] fp32 sum: 20.1 ms by dist.all_reduce
-# against 3.4 ms by recursive doubling over send/recv at 8 ranks, 5.0 / 1.4 ms at 4, 0.75 /
-# 0.33 ms at 2 (scripts/bench_collectives.py). Recursive doubling: log2(n) rounds, each an
+# is the step. Forked gloo ranks on 2 cores, a [16, 256] fp32 sum: 18.0 ms by dist.all_reduce
+# against 2.2 ms by recursive doubling over send/recv at 8 ranks, 4.8 / 0.86 ms at 4, 0.80 /
+# 0.21 ms at 2 (scripts/bench_collectives.py). Recursive doubling: log2(n) rounds, each an
 # exchange with rank XOR 2^k. Every pair adds the same two tensors (IEEE addition commutes),
 # so all ranks end bitwise equal, as the engine needs. The ring's bandwidth wins for large
 # tensors: above this many bytes an all-reduce stays gloo's (an all-gather moves the same
