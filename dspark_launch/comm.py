@@ -31,12 +31,14 @@ def group_size(group: dist.ProcessGroup | None) -> int:
 DOUBLING_MAX_BYTES = 1 << 20
 
 
-def _doubling_peers(group: dist.ProcessGroup) -> tuple[int, list[int]] | None:
+def _doubling(tensor: torch.Tensor, group: dist.ProcessGroup) -> tuple[int, list[int]] | None:
     """(this rank's index in `group`, the group's global ranks) where recursive doubling
-    applies: a gloo group of a power-of-two size above one; else None. ~2 us a call, not
-    cached: a cache would keep destroyed groups (and their sockets) alive."""
+    applies: a CPU tensor on a gloo group of a power-of-two size; else None. Decided from what
+    every rank of the group shares, never from one rank's memory layout (ranks that chose
+    differently would wait on each other forever). ~2 us a call, not cached: a cache would
+    keep destroyed groups (and their sockets) alive."""
     n = group.size()
-    if n < 2 or n & (n - 1) or dist.get_backend(group) != "gloo":
+    if tensor.device.type != "cpu" or n & (n - 1) or dist.get_backend(group) != "gloo":
         return None
     return group.rank(), dist.get_process_group_ranks(group)
 
@@ -47,16 +49,6 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, peer: int,
     request = dist.isend(send, peer, group=group)
     dist.recv(recv, peer, group=group)
     request.wait()
-
-
-def _doubling(tensor: torch.Tensor, group: dist.ProcessGroup | None
-              ) -> tuple[int, list[int]] | None:
-    # Decided from what every rank of the group shares (the group, the tensor's device, shape
-    # and dtype), never from one rank's memory layout: ranks that chose differently would wait
-    # on each other's messages forever.
-    if group is None or tensor.device.type != "cpu":
-        return None
-    return _doubling_peers(group)
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
