@@ -382,7 +382,9 @@ class Engine:
             done = accept(self.target, layout, proposal, hidden, self._stop_ids)
             first, accept_len, committed = transfer.to_host(done.first, done.accept_len,
                                                             done.committed)
-        if self.policy is not None:
+        if self.policy is not None and proposal is None:
+            self.policy.record_plain(len(plan.decode))
+        elif self.policy is not None:
             for req, w, n_acc in zip(plan.decode, widths, accept_len):
                 self.policy.record(req.index, request_class(req), w, n_acc)
         t2 = time.perf_counter()

@@ -81,11 +81,14 @@ class MarkovHead(nn.Module):
         return torch.zeros((n, self.rank), dtype=torch.float32, device=device)
 
     def forward(self, prev: torch.Tensor, hidden: torch.Tensor | None,
-                state: torch.Tensor | None, vocab: slice | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                state: torch.Tensor | None, vocab: slice | None = None,
+                base: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """prev [N] int64, hidden [N, d], state [N, r] | None -> (bias [N, V'] fp32, state').
 
         vocab: only these columns (a contiguous id range) of the bias, e.g. one rank's shard.
+        base [N, V'] fp32: logits to add the bias to; then base + bias is returned, in one
+        multiply-add when W2 is fp32 (the walk's slot costs a few small ops, so one fewer
+        counts at batch 1).
         """
         e = self.embed(prev).float()  # [N, r]
         if self.gate_proj is not None:
@@ -101,7 +104,10 @@ class MarkovHead(nn.Module):
             state = keep * state.float() + (1.0 - keep) * torch.tanh(u)  # the NEXT slot's s
             e = torch.tanh(o)  # from the old state: z held s_{k-1}
         w2 = self.markov_w2.weight if vocab is None else self.markov_w2.weight[vocab]  # [V', r]
-        return F.linear(e.to(w2.dtype), w2).float(), state  # [N, V']
+        if base is not None and w2.dtype == torch.float32:
+            return torch.addmm(base, e, w2.t()), state  # [N, V']
+        bias = F.linear(e.to(w2.dtype), w2).float()  # [N, V']
+        return (bias if base is None else base + bias), state
 
 
 def _linear_f32(layer: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
@@ -141,7 +147,8 @@ class DSparkDraft(DFlashDraft):
         return None if self.markov_head is None else self.markov_head.initial_state(n, device)
 
     def markov_step(self, prev: torch.Tensor, hidden: torch.Tensor,
-                    state: torch.Tensor | None, vocab: slice | None = None
+                    state: torch.Tensor | None, vocab: slice | None = None,
+                    base: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One slot of the left-to-right walk: l_k = U_k + bias_k.
 
@@ -150,14 +157,16 @@ class DSparkDraft(DFlashDraft):
         vocab: a contiguous slice of ids (e.g. one rank's vocab shard): only those columns
         are computed. It is not padded past V: pass the ids a rank owns
         (slice(start, start + owned)), not its padded shard. Without a Markov head the bias
-        is 0.
+        is 0. base [N, V'] fp32: the slot's logits U_k; then l_k = base + bias is returned.
         """
         if self.markov_head is None:
+            if base is not None:
+                return base, state
             cols = self.config.vocab_size if vocab is None else \
                 len(range(self.config.vocab_size)[vocab])
             return torch.zeros((prev.shape[0], cols), dtype=torch.float32,
                                device=prev.device), state
-        return self.markov_head(prev, hidden, state, vocab)
+        return self.markov_head(prev, hidden, state, vocab, base)
 
     def confidence(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """hidden [N, d], prev [N] -> c [N] fp32 in (0, 1); all ones without a head."""

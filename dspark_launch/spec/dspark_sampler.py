@@ -27,27 +27,46 @@ def walk_block(
     r, b, d = hidden.shape
     flat = hidden.reshape(r * b, d)
     if rows.all_greedy:
-        base = lm_head.local_logits(flat)[:, :lm_head.owned].reshape(r, b, -1)  # [R, B, V_l]
-        vocab = lm_head.owned_ids
+        tokens, q = _greedy_walk(draft, lm_head, hidden, anchors), None
     else:
-        base = lm_head.logits(flat).reshape(r, b, -1)  # [R, B, V]
-        vocab = None
+        tokens, q = _sampled_walk(draft, lm_head, hidden, anchors, rows)
+    # Slot k's Markov input is the token drafted before it (the anchor at k = 0).
+    prevs = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)  # [R, B]
+    # c_k reads h_k and x_{k-1} only: every slot at once, once the walk has drawn them.
+    conf = draft.confidence(flat, prevs.reshape(-1)).reshape(r, b)
+    return tokens, q, conf
+
+
+def _greedy_walk(draft, lm_head, hidden: torch.Tensor, anchors: torch.Tensor
+                 ) -> torch.Tensor:  # -> tokens [R, B]
+    """Argmax slot by slot within this rank's vocab shard (the argmax meets across shards).
+    A slot is a handful of small ops at batch 1, so the tokens are collected, not copied
+    into a tensor one slot at a time."""
+    r, b, d = hidden.shape
+    base = lm_head.local_logits(hidden.reshape(r * b, d))[:, :lm_head.owned].float()
+    base = base.reshape(r, b, -1)  # [R, B, V_l]
+    drafted = [anchors]
+    state = draft.markov_state(r, hidden.device)  # reset every block
+    for k in range(b):
+        logits, state = draft.markov_step(drafted[-1], hidden[:, k], state,
+                                          lm_head.owned_ids, base[:, k])  # [R, V_l]
+        drafted.append(lm_head.argmax(logits))  # seeds the next slot
+    return torch.stack(drafted[1:], dim=1)
+
+
+def _sampled_walk(draft, lm_head, hidden: torch.Tensor, anchors: torch.Tensor,
+                  rows: SamplingRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each slot's distribution q_k over the full vocabulary, and one keyed uniform per
+    request per slot to draw x_k. -> tokens [R, B], q [R, B, V]."""
+    r, b, d = hidden.shape
+    base = lm_head.logits(hidden.reshape(r * b, d)).float().reshape(r, b, -1)  # [R, B, V]
     tokens = torch.empty((r, b), dtype=torch.int64, device=hidden.device)
-    q = None if rows.all_greedy else torch.empty((r, b, base.shape[-1]), dtype=torch.float32,
-                                                 device=hidden.device)
+    q = torch.empty((r, b, base.shape[-1]), dtype=torch.float32, device=hidden.device)
     prev = anchors
     state = draft.markov_state(r, hidden.device)  # reset every block
     for k in range(b):
-        h_k = hidden[:, k]  # [R, d]
-        bias, state = draft.markov_step(prev, h_k, state, vocab)  # [R, V or V_l] fp32
-        logits = base[:, k].float() + bias
-        if q is None:
-            tokens[:, k] = lm_head.argmax(logits)
-        else:
-            q[:, k] = target_probs(logits, rows)
-            tokens[:, k] = draw(q[:, k], uniforms(rows.keys, rows.positions + k, DRAFT))
+        logits, state = draft.markov_step(prev, hidden[:, k], state, None, base[:, k])
+        q[:, k] = target_probs(logits, rows)
+        tokens[:, k] = draw(q[:, k], uniforms(rows.keys, rows.positions + k, DRAFT))
         prev = tokens[:, k]  # the token actually drafted seeds the next slot
-    # c_k reads h_k and x_{k-1} only: every slot at once, once the walk has drawn them.
-    prevs = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)  # [R, B]
-    conf = draft.confidence(flat, prevs.reshape(-1)).reshape(r, b)
-    return tokens, q, conf
+    return tokens, q

@@ -169,7 +169,8 @@ def test_rnn_state_carries_within_a_block_and_resets_between_blocks(tmp_path):
 @pytest.mark.parametrize("head_type,rank", [("vanilla", R), ("gated", R), ("rnn", R),
                                             ("vanilla", 0)])
 def test_vocab_slice_is_the_columns_of_the_full_bias(tmp_path, head_type, rank):
-    """markov_step(vocab=slice) computes just those columns (one rank's vocab shard)."""
+    """markov_step(vocab=slice) computes just those columns (one rank's vocab shard), and
+    with base adds them to those logits."""
     path = write_draft(tmp_path / "d", TARGET, "DSPARK", head_type=head_type, markov_rank=rank,
                        scale=3.0)
     draft = load_draft(path, TARGET)
@@ -188,5 +189,10 @@ def test_vocab_slice_is_the_columns_of_the_full_bias(tmp_path, head_type, rank):
             assert s_part is None and s_full is None
         else:
             assert torch.equal(s_part, s_full)
+    # base: the slot's logits U_k, returned with the bias added (one multiply-add in fp32).
+    base = torch.randn(5, 64, generator=gen)
+    summed, s_sum = draft.markov_step(prev, hidden, state, slice(64, 128), base)
+    torch.testing.assert_close(summed, base + full[:, 64:128], atol=1e-6, rtol=1e-6)
+    assert (s_sum is None) if state is None else torch.equal(s_sum, s_full)
     if rank == 0:
         assert torch.equal(full, torch.zeros(5, V))

@@ -214,3 +214,39 @@ def test_round_score_averages_to_the_tokens_committed_and_scatters_less(verified
     assert var(scores) <= var(committed) + 1e-12
     if known >= verified:
         assert var(scores) == pytest.approx(0.0, abs=1e-12)
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.6])
+def test_record_plain_is_record_of_each_plain_round(rate):
+    """A step in which nobody drafted is recorded in one call (record_plain): the two
+    policies, fed the same steps, plan the same lengths throughout and report the same,
+    whether the drafter never pays (plain decoding settles) or sometimes does."""
+    import random
+
+    def make():
+        return VerifyPolicy("adaptive", CostCurve([1, 64], [1.0, 1.0 + 63 * 0.05]),
+                            CostCurve([1, 8], [0.2, 0.3]), LIMIT)
+
+    one_by_one, at_once = make(), make()
+    draws = random.Random(7)
+    keys, classes, limits = list(range(REQS)), ["greedy"] * REQS, [LIMIT] * REQS
+    plain_steps = 0
+    for _ in range(600):
+        plans = [p.plan(keys, classes, limits, REQS) for p in (one_by_one, at_once)]
+        assert plans[0] == plans[1]
+        lengths = plans[0]
+        accepted = [next((i for i in range(n) if draws.random() > rate), n) for n in lengths]
+        seconds = draws.uniform(0.9, 1.1) * one_by_one.reference.step_seconds(
+            REQS + sum(lengths))
+        drafted = sum(1 for n in lengths if n)
+        for policy in (one_by_one, at_once):
+            if not drafted and policy is at_once:
+                policy.record_plain(REQS)
+            else:
+                for k, n, a in zip(keys, lengths, accepted):
+                    policy.record(k, "greedy", n, a)
+            tokens = REQS + sum(lengths)
+            policy.record_step(tokens, tokens, seconds, drafted, 0.2 * drafted, REQS)
+        plain_steps += not drafted
+    assert plain_steps >= 20  # the one-call path was taken
+    assert one_by_one.report() == at_once.report()
