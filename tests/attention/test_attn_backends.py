@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 from _attn_cases import DEVICE, TOL, make_batch
-from dspark_launch.kernels import ref_extend, ref_store
 
 from dspark_launch.attention import build_metadata, make_backend
 from dspark_launch.errors import ConfigError
+from dspark_launch.kernels import ref_extend, ref_store
 
 BACKENDS = ["torch", "triton"]
 

@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 from _kernel_cases import DEVICE, TOL, paged_rows, rand
+
 from dspark_launch.kernels import choose_num_splits, paged_decode_attention, ref_decode
 
 CASES = [

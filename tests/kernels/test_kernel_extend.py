@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 from _kernel_cases import DEVICE, TOL, indptr, paged_rows, rand
+
 from dspark_launch.kernels import extend_attention, ref_extend
 
 CASES = [

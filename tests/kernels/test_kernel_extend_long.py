@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 from _kernel_cases import DEVICE, TOL, indptr, paged_rows, rand
+
 from dspark_launch.kernels import (
     extend_attention,
     paged_decode_attention,

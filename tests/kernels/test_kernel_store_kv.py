@@ -1,6 +1,7 @@
 import pytest
 import torch
 from _kernel_cases import DEVICE, rand
+
 from dspark_launch.kernels import ref_store, store_kv, store_kv_torch
 
 

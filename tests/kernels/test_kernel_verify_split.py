@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from _kernel_cases import DEVICE, TOL, indptr, paged_rows, rand
+
 from dspark_launch.kernels import choose_extend_splits, extend_attention, ref_extend
 
 # A 9-row verify block after a long prefix, one after a prefix shorter than a split (empty
