@@ -20,6 +20,9 @@ CASES = [
     ([15, 31], [1, 1], 16, 5, 1, 80, 80, torch.bfloat16),  # decode, page boundaries
     ([2, 0], [4, 16], 16, 8, 2, 64, 64, torch.bfloat16),
     ([3], [2], 1, 4, 2, 64, 32, torch.float32),  # Dv != D
+    # verify blocks of one width over contexts of one length: one causal mask for the batch
+    ([5, 5, 5], [3, 3, 3], 1, 8, 2, 64, 64, torch.bfloat16),
+    ([4, 4], [2, 2], 16, 4, 4, 32, 32, torch.float32),
 ]
 
 
