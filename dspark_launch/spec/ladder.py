@@ -20,7 +20,8 @@ Paired comparisons: this machine's speed drifts by +-15% within seconds, and a c
 slower still, so arms measured at different times do not compare. The ladder plays its current
 arm and keeps a short average of its speed; every few steps it tries a neighbour (the next two
 caps up or down, the same cap with the other mode, the top cap, plain decoding) for one step
-and scores it against the current arm's average just before it: the log of the ratio, averaged
+(or `try_steps`, of which the first after the change of arm is not scored: see TRY_STEPS) and
+scores it against the current arm's average just before it: the log of the ratio, averaged
 (with forgetting) per arm, with its standard error (a try scatters at least as much as one
 step's time of the current arm does around their recent average: the machine's and the
 batch's noise). It moves to a neighbour whose ratio is above 1 + MARGIN (1 + ENTER from plain
@@ -70,6 +71,21 @@ EXPLORE_MAX = 512  # ... doubling, up to this, while it does not win
 # 45% of a run's steps were awake.
 ALIGN = 64
 TRY_GAP = 3  # steps between two tries of any neighbours (a climb's next cap excepted)
+# A ladder built with try_steps > 1 (the policy's, above batch 1) plays a try for that many
+# steps and scores none of the first step after a change of arm, its try's nor the current
+# arm's on its return: that step is no measure of the arm it plays.
+# - Its caches were left by other shapes: at batch 16 greedy (Xeon, one thread) plain steps
+#   between DFlash's cap-3 steps took 9.03, 8.84, 8.78, 8.76 ms as the 1st to 4th step after
+#   the change (NONE's own 8.28 ms).
+# - A drafting step after plain ones drafts from fresh positions, while in a drafting arm every
+#   round starts where the last one failed: DFlash's cap 3 committed 39.2, 37.7, 36.5 and 36.9
+#   tokens in the 1st to 4th step after four plain ones (scripts/bench_switch.py).
+# Both flatter drafting in a one-step try: plain decoding's tries scored 0.81-0.87x DFlash's
+# cap 3, which ran 0.97-0.98x plain decoding end to end, and the ladder stayed at cap 3; NGRAM
+# stayed at cap 7 (0.91-0.94x plain decoding) beside cap 4 (1.03x). The price: a try costs two
+# steps for one measured (the exploration budget counts both). At batch 1 one round's scatter
+# (1 to 9 tokens) dwarfs the effect and one-step tries stay.
+TRY_STEPS = 2
 MIN_ROUNDS = 16  # request-rounds a neighbour must have measured before it is judged ...
 MIN_TRIES = 3  # ... over this many steps at least
 PATIENCE = 6  # tries after which an unresolved neighbour is tried less often too
@@ -180,9 +196,10 @@ class Arm:
 class Ladder:
     """The hill climb of one request class and batch size (see the module docstring)."""
 
-    def __init__(self, max_drafts: int, top: int | None = None) -> None:
+    def __init__(self, max_drafts: int, top: int | None = None, try_steps: int = 1) -> None:
         """`top`: the cap every arm neighbours and the ladder measures first (default the
-        largest; see policy.py's top_cap)."""
+        largest; see policy.py's top_cap). `try_steps`: steps a try plays (TRY_STEPS; above 1
+        the first step after every change of arm is not scored)."""
         caps = self.caps(max_drafts)
         self.top = max_drafts if top is None else top
         assert self.top in caps, f"top cap {self.top} not among {caps}"
@@ -195,6 +212,9 @@ class Ladder:
         self.tries = 0  # steps that tried a neighbour
         self._turn = 0  # which neighbour is tried next
         self._tried = -TRY_GAP  # the step a neighbour was last tried
+        self.try_steps = try_steps
+        self._trying: tuple[int, int] | None = None  # a try under way: (arm, steps left)
+        self._previous: int | None = None  # the arm of the last step observed
         self.elapsed = 0.0  # yardstick steps all scored steps took ...
         self.spent = 0.0  # ... and what tries lost in them (BUDGET)
         self._unfaded = 0  # scored steps whose fade the arms have not had yet (_settle)
@@ -247,11 +267,16 @@ class Ladder:
         once, and a climb's next cap is tried at once, unless `predict` (an arm's predicted
         speed over plain decoding, None: no prediction) makes it unlikely to pay."""
         self.steps += 1
+        if self._trying is not None:  # a try's next step (its first paid the switch)
+            j, left = self._trying
+            self._trying = (j, left - 1) if left > 1 else None
+            self._tried = self.steps
+            return j
         if self.steps < self._quiet_until:  # quiet() found nothing due before then
             return self.at
         if self._base_steps < BASE_STEPS:  # no yardstick yet: tries would share one step's
             return self.at  # scatter (since the start, or a move)
-        if self.spent > BUDGET * self.elapsed + ALLOWANCE:
+        if self._over_budget():
             return self.at  # exploring has lost its share: the current arm earns it back
         if self._ahead is not None and self._unlikely(self._ahead, predict):
             self._ahead = None
@@ -277,8 +302,15 @@ class Ladder:
                 arm.due = self._due(arm.wait) if arm.judgeable else self.steps + 1
                 self._tried = self.steps
                 self.tries += 1
+                if self.try_steps > 1:
+                    self._trying = (j, self.try_steps - 1)
                 return j
         return self.at
+
+    def _over_budget(self) -> bool:
+        """What tries lost is over BUDGET of the run plus ALLOWANCE, leaving room for a whole
+        try (each of its steps after the first loses at most one yardstick step)."""
+        return self.spent + self.try_steps - 1 > BUDGET * self.elapsed + ALLOWANCE
 
     @property
     def _floor(self) -> float:
@@ -317,6 +349,9 @@ class Ladder:
         self.elapsed += relative_seconds  # a try's first step loses time too (BUDGET)
         if i != self.at and not math.isnan(self.base):
             self.spent += relative_seconds * (1 - speed / self.base)
+        switched, self._previous = self._previous is not None and i != self._previous, i
+        if self.try_steps > 1 and switched and arm.warm:
+            return  # the first step after a change of arm: not this arm's speed (TRY_STEPS)
         if not arm.warm:
             # An arm's first step pays one-time costs (allocations, first use): not its
             # speed. A switch of arms costs nothing measurable after that: the first step of
@@ -394,6 +429,7 @@ class Ladder:
     def _move(self, i: int) -> None:
         self._settle()
         self._quiet_until = 0
+        self._trying = None
         came_from, there = self.arms[self.at], self.arms[i]
         gap = there.log_ratio
         for j, arm in enumerate(self.arms):  # ratios re-based on the new arm: estimates
@@ -426,13 +462,15 @@ class Ladder:
         """Plain decoding is the current arm and no neighbour is due to be tried (nor let in
         by the budget) in the next pick or the `horizon` after it: nothing will draft for a
         while (picks count self.steps up by one; a neighbour never tried is due at once)."""
-        if self.current.cap or self._ahead is not None or not self.near[self.at]:
+        if self.current.cap or self._ahead is not None or self._trying is not None \
+                or not self.near[self.at]:
             return False
         if self.steps + 1 + horizon < self._quiet_until:
             return True
         due = min(self.arms[j].due for j in self.near[self.at])
         # steps (of about one yardstick step each) until the budget lets a try in again
-        held = max(0.0, self.spent - BUDGET * self.elapsed - ALLOWANCE) / BUDGET
+        held = max(0.0, self.spent + self.try_steps - 1 - BUDGET * self.elapsed - ALLOWANCE
+                   ) / BUDGET
         if max(due, self.steps + held) <= self.steps + 1 + horizon:
             return False
         # Before the first due every pick returns the current arm (whatever the budget), and

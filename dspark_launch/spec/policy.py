@@ -70,7 +70,7 @@ from dspark_launch.spec.acceptance import (
     apply_temperatures,
 )
 from dspark_launch.spec.cost_curve import CostCurve, profile_points
-from dspark_launch.spec.ladder import PLAIN, Arm, Ladder
+from dspark_launch.spec.ladder import PLAIN, TRY_STEPS, Arm, Ladder
 
 # adaptive: the verify ladder (spec/ladder.py) over caps, the cost model one of its modes;
 # model: the cost model alone at the full cap; fixed: every draft is verified.
@@ -388,7 +388,8 @@ class VerifyPolicy:
         if ladder is None:
             key = f"{cls}, batch " + (f"{size // 2 + 1}-{size}" if size > 2 else f"{size}")
             ladder = self.ladders[key] = self._by_size[(cls, size)] = (
-                Ladder(self.positions, top_cap(self.reference, size, self.positions))
+                Ladder(self.positions, top_cap(self.reference, size, self.positions),
+                       try_steps=TRY_STEPS if size > 1 else 1)
                 if self.mode == "adaptive" else Ladder.single(self.positions, model=True))
         return ladder
 

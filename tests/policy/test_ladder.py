@@ -315,3 +315,59 @@ def test_batch_1_ends_at_the_fastest_caps_when_scored_at_measured_rates():
         late.append(sum(speed[c] for c in played[-1000:]) / 1000 / best)
     assert min(late) >= 0.95, [round(x, 3) for x in late]
     assert sum(late) / len(late) >= 0.975, [round(x, 3) for x in late]
+
+
+def switching_loop(ladder: Ladder, speedup, steps: int, seed: int, penalty: float,
+                   optimism: float) -> list[tuple[int, bool]]:
+    """closed_loop on a machine where a step's arm is not all that sets its speed: the first
+    plain step after drafting ones runs `penalty` slower (caches left to the drafting shapes),
+    the first drafting step after plain ones commits `optimism` more (it drafts from fresh
+    positions; a drafting arm's rounds start where the last one failed)."""
+    rng = random.Random(seed)
+    played, previous = [], None
+    for _ in range(steps):
+        i = ladder.pick()
+        arm = ladder.arms[i]
+        speed = speedup(arm.cap, arm.model)
+        if previous is not None and bool(previous) != bool(arm.cap):
+            speed *= 1 + optimism if arm.cap else 1 - penalty
+        ladder.observe(i, ROUNDS, ROUNDS * speed * rng.uniform(0.95, 1.05), 1.0)
+        played.append((arm.cap, arm.model))
+        previous = arm.cap
+    return played
+
+
+def test_two_step_tries_are_not_fooled_by_the_switch():
+    """Every drafting arm runs 0.96x plain decoding, but its first step after plain ones
+    commits 10% more, and plain decoding's first step after drafting runs 8% slower (as
+    scripts/bench_switch.py measured at batch 16). Tries of one step, each such a first step,
+    move the ladder to a drafting arm and keep it there (plain's tries look slower than the
+    arm); tries of two steps, scored on the second, keep plain decoding, in every seed."""
+    drafting = lambda cap, model: 0.96 if cap else 1.0  # noqa: E731
+    fooled = 0
+    for seed in range(5):
+        ladder = Ladder(8, try_steps=2)
+        played = switching_loop(ladder, drafting, 3000, seed, penalty=0.08, optimism=0.10)
+        assert ladder.at == PLAIN, (seed, Counter(played[-500:]))
+        assert achieved(played[-1500:], drafting) >= 0.99, Counter(played[-1500:])
+        one = Ladder(8)
+        switching_loop(one, drafting, 3000, seed, penalty=0.08, optimism=0.10)
+        fooled += one.at != PLAIN
+    assert fooled >= 3, fooled  # the one-step ladder on the same machine: mostly fooled
+
+
+def test_two_step_tries_still_climb_and_stay_within_budget():
+    """Without switch effects, a two-step ladder still climbs to the best arm (within
+    TOLERANCE) and loses at most its budget where nothing pays."""
+    speedup = peaked(3)
+    top = speedup(*brute_force(Ladder(8), speedup))
+    for seed in range(3):
+        ladder = Ladder(8, try_steps=2)
+        played = closed_loop(ladder, speedup, 2000, seed=seed)
+        assert speedup(ladder.current.cap, ladder.current.model) >= TOLERANCE * top, seed
+        assert achieved(played[-500:], speedup) >= TOLERANCE * top
+    half = lambda cap, model: 0.5 if cap else 1.0  # noqa: E731
+    for steps in (64, 256, 2000):
+        played = closed_loop(Ladder(8, try_steps=2), half, steps, noise=0.0)
+        lost = sum(1 - half(*arm) for arm in played)
+        assert lost <= BUDGET * steps + ALLOWANCE + 0.5, (steps, Counter(played))
