@@ -75,16 +75,19 @@ TRY_GAP = 3  # steps between two tries of any neighbours (a climb's next cap exc
 # steps and scores none of the first step after a change of arm, its try's nor the current
 # arm's on its return: that step is no measure of the arm it plays.
 # - Its caches were left by other shapes: at batch 16 greedy (Xeon, one thread) plain steps
-#   between DFlash's cap-3 steps took 9.03, 8.84, 8.78, 8.76 ms as the 1st to 4th step after
-#   the change (NONE's own 8.28 ms).
+#   between DFlash's cap-3 steps took 8.94, 8.74, 8.47, 8.41 ms as the 1st to 4th step after
+#   the change (NONE's own 7.85 ms; scripts/bench_switch.py, docs/bench/bench_switch.json).
 # - A drafting step after plain ones drafts from fresh positions, while in a drafting arm every
 #   round starts where the last one failed: DFlash's cap 3 committed 39.2, 37.7, 36.5 and 36.9
-#   tokens in the 1st to 4th step after four plain ones (scripts/bench_switch.py).
+#   tokens in the 1st to 4th step after four plain ones.
 # Both flatter drafting in a one-step try: plain decoding's tries scored 0.81-0.87x DFlash's
 # cap 3, which ran 0.97-0.98x plain decoding end to end, and the ladder stayed at cap 3; NGRAM
 # stayed at cap 7 (0.91-0.94x plain decoding) beside cap 4 (1.03x). The price: a try costs two
 # steps for one measured (the exploration budget counts both). At batch 1 one round's scatter
-# (1 to 9 tokens) dwarfs the effect and one-step tries stay.
+# (1 to 9 tokens) dwarfs the effect and one-step tries stay. What this leaves: even in steady
+# play, plain steps between drafting ones ran 7% over NONE's (the draft's context is captured,
+# the KV rows are shuffled by reserved-then-freed draft rows), so DFlash at batch 16 could
+# still settle at cap 4 (0.93x plain decoding end to end, 1.10x by its tries).
 TRY_STEPS = 2
 MIN_ROUNDS = 16  # request-rounds a neighbour must have measured before it is judged ...
 MIN_TRIES = 3  # ... over this many steps at least
