@@ -1,6 +1,8 @@
 import gc
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -22,11 +24,17 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     gc.collect()
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _private_cost_curves(tmp_path_factory: pytest.TempPathFactory):
-    """Start-up cost-curve profiles go to a per-session cache, not the user's (forked ranks
-    inherit the environment)."""
-    os.environ["DSPARK_CACHE_DIR"] = str(tmp_path_factory.mktemp("cost_curves"))
+def pytest_configure(config: pytest.Config) -> None:
+    """Start-up cost-curve profiles go to a per-run cache, not the user's. Set here, before the
+    test modules are imported: several build their subprocesses' environment at import
+    ({**os.environ, ...}), and a session fixture came too late for them (their torchrun jobs
+    profiled into ~/.cache/dspark_launch while the suite loaded both cores, and every later
+    run on the machine read those curves)."""
+    os.environ["DSPARK_CACHE_DIR"] = tempfile.mkdtemp(prefix="dspark-cost-curves-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(os.environ.pop("DSPARK_CACHE_DIR", ""), ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

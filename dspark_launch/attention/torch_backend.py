@@ -18,6 +18,13 @@ from .metadata import ForwardMetadata, upload
 # 1-row ones): requests are grouped by (q_len, kv_len), so a step costs a few calls at most.
 _MAX_PAD_WASTE = 2.0
 _PAD_SLACK = 4096
+# Masks of blocks up to this many rows per request (decode, and verify and draft blocks: 1 +
+# the 16 drafts of the ladder's largest cap) are kept for the whole forward as additive fp32
+# masks (_Padded.additive_mask). A prefill chunk's would be Q x group x K x 4 bytes held past
+# its attention, beyond the step's priced transients (memory/transients.py: the engine's own
+# run peaked 72 KB over them at a 32-row chunk), and its per-layer conversion is small next to
+# the chunk's work.
+ADDITIVE_MAX_Q = 17
 
 
 @dataclass
@@ -54,15 +61,17 @@ class _Padded:
         if self.mask is None:
             return None
         key = (group, dtype)
-        if key not in self._additive:
-            mask = self.mask  # [B, 1, Q or 1, K] bool
-            b, _, n_q, max_k = mask.shape
-            if group > 1 and n_q > 1:
-                mask = mask.unsqueeze(3).expand(b, 1, n_q, group, max_k).reshape(
-                    b, 1, n_q * group, max_k)
-            self._additive[key] = torch.zeros(mask.shape, dtype=dtype,
-                                              device=mask.device).masked_fill_(
-                ~mask, float("-inf"))
+        if key in self._additive:
+            return self._additive[key]
+        mask = self.mask  # [B, 1, Q or 1, K] bool
+        b, _, n_q, max_k = mask.shape
+        if group > 1 and n_q > 1:
+            mask = mask.unsqueeze(3).expand(b, 1, n_q, group, max_k).reshape(
+                b, 1, n_q * group, max_k)
+        if n_q > ADDITIVE_MAX_Q:
+            return mask  # a prefill chunk's: per layer, as SDPA takes it (see ADDITIVE_MAX_Q)
+        self._additive[key] = torch.zeros(mask.shape, dtype=dtype,
+                                          device=mask.device).masked_fill_(~mask, float("-inf"))
         return self._additive[key]
 
 
