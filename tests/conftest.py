@@ -28,8 +28,8 @@ def pytest_configure(config: pytest.Config) -> None:
     """Start-up cost-curve profiles go to a per-run cache, not the user's. Set here, before the
     test modules are imported: several build their subprocesses' environment at import
     ({**os.environ, ...}), and a session fixture came too late for them (their torchrun jobs
-    profiled into ~/.cache/dspark_launch while the suite loaded both cores, and every later
-    run on the machine read those curves)."""
+    profiled into ~/.cache/dspark_launch while the suite loaded both cores, where later runs
+    of the same topology would read those curves)."""
     os.environ["DSPARK_CACHE_DIR"] = tempfile.mkdtemp(prefix="dspark-cost-curves-")
 
 

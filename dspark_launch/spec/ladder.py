@@ -357,9 +357,10 @@ class Ladder:
             return  # the first step after a change of arm: not this arm's speed (TRY_STEPS)
         if not arm.warm:
             # An arm's first step pays one-time costs (allocations, first use): not its
-            # speed. A switch of arms costs nothing measurable after that: the first step of
-            # a try scored 0.002 +- 0.031 (batch 1) and -0.019 +- 0.024 (batch 16) in log
-            # ratio over the step after it (DSpark, 47 and 48 tries), so one step is a try.
+            # speed. On the AMD EPYC of earlier rounds a switch of arms cost nothing
+            # measurable after that (the first step of a try scored 0.002 +- 0.031 at batch 1
+            # and -0.019 +- 0.024 at batch 16 in log ratio over the step after it, DSpark, 47
+            # and 48 tries); on the Xeon of round 15 it did above batch 1 (TRY_STEPS).
             arm.warm = True
             return
         self._unfaded += 1  # every arm fades by _KEEP: applied when next read (_settle)
