@@ -15,6 +15,16 @@ Stages (run in order by default; each can be run alone):
             output equals plain greedy decoding.
 
     python scripts/train_drafts.py --stages rollouts,dflash,dspark,eval --minutes 20
+
+Then, for sampled decoding (the shipped drafts went through this after the above):
+  mixed     greedy and T=1-sampled continuations (--mixed-rollouts G S) with the
+            target's final hidden states (its distributions); cached in --work
+  finetune  warm-start each draft from DRAFT_ROOT and train on greedy batches (hard
+            labels, as above) plus sampled batches whose labels are the target's own
+            T=1 distribution (soft cross-entropy); prints per-slot greedy top-1 and
+            expected T=1 acceptance sum_x min(p, q) on held-out rollouts, before/after
+
+    python scripts/train_drafts.py --stages mixed,finetune,eval --finetune-minutes 12
 """
 
 import argparse
@@ -235,6 +245,45 @@ def greedy_batch(target, prompt, G):
 
 
 @torch.no_grad()
+def sampled_batch(target, prompt, G, g):
+    """Batched continuation sampled at T=1 (no top-k/top-p, no stopping at EOS)."""
+    from transformers import DynamicCache
+
+    def draw(logits):
+        return torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=g)[:, 0]
+
+    cache = DynamicCache()
+    out = target(input_ids=prompt, past_key_values=cache, use_cache=True)
+    toks = [draw(out.logits[:, -1])]
+    for _ in range(G - 1):
+        out = target(input_ids=toks[-1][:, None], past_key_values=cache, use_cache=True)
+        toks.append(draw(out.logits[:, -1]))
+    return torch.cat([prompt, torch.stack(toks, 1)], 1)
+
+
+@torch.no_grad()
+def mixed_rollouts(target, tok, files, root, n, seed, sampled, bs=32, G=128):
+    """n continuations (greedy, or sampled at T=1) of random 32..128-token windows, with the
+    captured features and the final-normed hidden states (the target's distributions)."""
+    data = tc.encode_files(tok, root, files)
+    g = torch.Generator().manual_seed(seed)
+    seqs, feats, finals, plens = [], [], [], []
+    i = 0
+    while len(seqs) * bs < n:
+        P = [32, 64, 96, 128][i % 4]
+        i += 1
+        idx = torch.randint(0, len(data) - P - 1, (bs,), generator=g)
+        prompt = torch.stack([data[j : j + P] for j in idx.tolist()]).long()
+        out = sampled_batch(target, prompt, G, g) if sampled else greedy_batch(target, prompt, G)
+        hs = target(input_ids=out, output_hidden_states=True).hidden_states
+        seqs.append(out.to(torch.int16))
+        feats.append(target_features(hs).to(torch.bfloat16))
+        finals.append(hs[-1].to(torch.bfloat16))
+        plens.append(P)
+    return {"seqs": seqs, "feats": feats, "finals": finals, "plens": plens}
+
+
+@torch.no_grad()
 def make_rollouts(args, target, tok, files, root, minutes, seed, n_max):
     """Greedy continuations of random prompts (token windows of the given files)."""
     data = tc.encode_files(tok, root, files)
@@ -267,8 +316,11 @@ def sample_anchors(plen, T, n, kind, g):
     return torch.randint(lo, hi + 1, (n,), generator=g)
 
 
-def draft_loss(model, kind, E, seqs, feats, plen, anchors, mask_id, gamma):
-    """seqs [b,T] long, feats [b,T,m*d], anchors [b,N].  Returns loss, stats."""
+def draft_logits(model, kind, E, seqs, feats, anchors, mask_id):
+    """Teacher-forced block logits at every anchor: seqs [b,T] long, feats [b,T,m*d],
+    anchors [b,N] -> (logits [b,N,S,V], label positions [b,N,S], h, Markov w1 (DSpark) or
+    None). S = B-1 slots for DFlash (slot j predicts start+j), B for DSpark (slot k predicts
+    start+k+1, its Markov input the true token before)."""
     b, T = seqs.shape
     N = anchors.shape[1]
     ar = torch.arange(BLOCK)
@@ -287,17 +339,33 @@ def draft_loss(model, kind, E, seqs, feats, plen, anchors, mask_id, gamma):
         b, N, BLOCK, -1
     )
     if kind == "dflash":
-        hs = h[:, :, 1:]
-        labels = torch.gather(seqs, 1, pos[:, :, 1:].reshape(b, -1)).view(b, N, BLOCK - 1)
-        logits = hs @ E.t()
-        w = torch.exp(-torch.arange(BLOCK - 1, dtype=torch.float32) / gamma)
-    else:
-        labels = torch.gather(seqs, 1, (pos + 1).reshape(b, -1)).view(b, N, BLOCK)
-        prev = torch.gather(seqs, 1, pos.reshape(b, -1)).view(b, N, BLOCK)
-        U = h @ model.lm_head_w.t()
-        w1 = model.markov_head.markov_w1(prev)
-        logits = U + model.markov_head.markov_w2(w1)
-        w = torch.exp(-torch.arange(BLOCK, dtype=torch.float32) / gamma)
+        return h[:, :, 1:] @ E.t(), pos[:, :, 1:], h, None
+    prev = torch.gather(seqs, 1, pos.reshape(b, -1)).view(b, N, BLOCK)
+    w1 = model.markov_head.markov_w1(prev)
+    return h @ model.lm_head_w.t() + model.markov_head.markov_w2(w1), pos + 1, h, w1
+
+
+def labels_at(seqs, lpos):
+    return torch.gather(seqs, 1, lpos.reshape(seqs.shape[0], -1)).view(lpos.shape)
+
+
+def target_probs_at(finals, lpos, E):
+    """The target's T=1 distribution of the token at each label position: softmax of the
+    logits one position earlier (finals [b,T,d] final-normed hidden) -> [b,N,S,V]."""
+    b, _, d = finals.shape
+    idx = (lpos - 1).reshape(b, -1, 1).expand(-1, -1, d)
+    return torch.softmax(torch.gather(finals.float(), 1, idx) @ E.t(), -1).view(*lpos.shape, -1)
+
+
+def position_weights(slots, gamma):
+    return torch.exp(-torch.arange(slots, dtype=torch.float32) / gamma)
+
+
+def draft_loss(model, kind, E, seqs, feats, plen, anchors, mask_id, gamma):
+    """seqs [b,T] long, feats [b,T,m*d], anchors [b,N].  Returns loss, stats."""
+    logits, lpos, h, w1 = draft_logits(model, kind, E, seqs, feats, anchors, mask_id)
+    labels = labels_at(seqs, lpos)
+    w = position_weights(labels.shape[-1], gamma)
     ce = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none"
     ).view(labels.shape)
@@ -310,6 +378,19 @@ def draft_loss(model, kind, E, seqs, feats, plen, anchors, mask_id, gamma):
         loss = loss + 0.2 * bce
         stats["bce"] = bce.detach()
     return loss, stats
+
+
+def soft_loss(model, kind, E, seqs, feats, finals, anchors, mask_id, gamma):
+    """On sampled rollouts: cross-entropy against the target's own T=1 distribution (not its
+    sampled token), so that the draft's q matches p where speculative sampling accepts
+    sum_x min(p, q). -> loss, per-slot mean overlap sum_x min(p, q) [S]."""
+    logits, lpos, _, _ = draft_logits(model, kind, E, seqs, feats, anchors, mask_id)
+    p = target_probs_at(finals, lpos, E)
+    logq = torch.log_softmax(logits, -1)
+    w = position_weights(lpos.shape[-1], gamma)
+    loss = (-(p * logq).sum(-1) * w).sum(-1).mean() / w.sum()
+    overlap = torch.minimum(p, logq.exp()).sum(-1).mean((0, 1)).detach()
+    return loss, overlap
 
 
 def accept_len_estimate(acc_prefix_hits):
@@ -467,6 +548,96 @@ def load_draft(ddir, kind):
     m.load_state_dict(sd, strict=True)
     m.eval()
     return m, c, E, L
+
+
+# ----------------------------------------------------------------------------- fine-tune
+@torch.no_grad()
+def eval_mixed(model, kind, E, ro_greedy, ro_sampled, mask_id, n_anchor=16, seed=1):
+    """Per slot, teacher-forced: top-1 agreement with the target's greedy token on greedy
+    rollouts, and the expected T=1 acceptance sum_x min(p, q) on sampled ones."""
+    model.eval()
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for ro, sampled in ((ro_greedy, False), (ro_sampled, True)):
+        rows = []
+        for seqs, feats, finals, P in zip(ro["seqs"], ro["feats"], ro["finals"], ro["plens"]):
+            seqs = seqs.long()
+            anc = torch.stack([sample_anchors(P, seqs.shape[1], n_anchor, kind, g)
+                               for _ in range(seqs.shape[0])])
+            logits, lpos, _, _ = draft_logits(model, kind, E, seqs, feats, anc, mask_id)
+            if sampled:
+                p = target_probs_at(finals, lpos, E)
+                rows.append(torch.minimum(p, torch.softmax(logits, -1)).sum(-1).mean((0, 1)))
+            else:
+                rows.append((logits.argmax(-1) == labels_at(seqs, lpos)).float().mean((0, 1)))
+        out.append([round(a, 4) for a in torch.stack(rows).mean(0).tolist()])
+    model.train()
+    return out
+
+
+def finetune_draft(args, kind, target, ro, out_dir):
+    """Warm-start from the draft in out_dir; each step one greedy batch (hard labels, as in
+    train_draft) plus --soft-weight x one sampled batch (soft_loss). Greedy acceptance needs
+    argmax(q) = argmax(p); sampled acceptance needs q close to p, which hard labels of greedy
+    continuations never teach (the shipped drafts accepted ~0.3 per slot at T=1)."""
+    torch.manual_seed(0)
+    model, c, _, L = load_draft(out_dir, kind)
+    E = target.get_input_embeddings().weight.detach().clone()
+    model.lm_head_w = E if L is None else L
+    mask_id = mask_id_of(c)
+    before = eval_mixed(model, kind, E, ro["held_greedy"], ro["held_sampled"], mask_id)
+    print(f"[{kind}] before: greedy top-1 {before[0]}, T=1 acceptance {before[1]}", flush=True)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.finetune_lr, betas=(0.9, 0.95), weight_decay=0.01)
+    g = torch.Generator().manual_seed(3)
+    budget, t0, step = args.finetune_minutes * 60, time.time(), 0
+    while time.time() - t0 < budget:
+        for grp in opt.param_groups:
+            grp["lr"] = tc.cosine_lr((time.time() - t0) / budget, args.finetune_lr, warm=0.05)
+        loss = 0.0
+        for name in ("greedy", "sampled"):
+            d = ro[name]
+            bi = int(torch.randint(0, len(d["seqs"]), (1,), generator=g))
+            rows = torch.randint(0, d["seqs"][bi].shape[0], (args.draft_batch,), generator=g)
+            seqs, feats = d["seqs"][bi][rows].long(), d["feats"][bi][rows]
+            P = d["plens"][bi]
+            anc = torch.stack([sample_anchors(P, seqs.shape[1], args.anchors, kind, g)
+                               for _ in range(seqs.shape[0])])
+            if name == "greedy":
+                loss = loss + draft_loss(model, kind, E, seqs, feats, P, anc, mask_id,
+                                         args.gamma)[0]
+            else:
+                loss = loss + args.soft_weight * soft_loss(
+                    model, kind, E, seqs, feats, d["finals"][bi][rows], anc, mask_id,
+                    args.gamma)[0]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        if step % 200 == 0:
+            print(f"[{kind}] fine-tune step {step} {(time.time() - t0) / 60:.1f}min "
+                  f"loss {loss.item():.3f}", flush=True)
+    after = eval_mixed(model, kind, E, ro["held_greedy"], ro["held_sampled"], mask_id)
+    print(f"[{kind}] after {step} steps: greedy top-1 {after[0]}, T=1 acceptance {after[1]}",
+          flush=True)
+    save_draft(model, kind, c, E, out_dir)
+    stats_path = Path(out_dir) / "train_stats.json"
+    stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
+    stats["finetune_sampled"] = {
+        "steps": step, "minutes": round((time.time() - t0) / 60, 2), "lr": args.finetune_lr,
+        "soft_weight": args.soft_weight, "sequences_per_batch": args.draft_batch,
+        "greedy_rollouts": sum(x.shape[0] for x in ro["greedy"]["seqs"]),
+        "sampled_rollouts": sum(x.shape[0] for x in ro["sampled"]["seqs"]),
+        "heldout_greedy_top1_before": before[0], "heldout_greedy_top1_after": after[0],
+        "heldout_t1_acceptance_before": before[1], "heldout_t1_acceptance_after": after[1],
+    }
+    stats_path.write_text(json.dumps(stats, indent=1) + "\n")
+
+
+def mask_id_of(c):
+    return c["dflash_config"]["mask_token_id"] if "dflash_config" in c else c["mask_token_id"]
 
 
 # ----------------------------------------------------------------------------- eval loop
@@ -682,6 +853,14 @@ def main():
     ap.add_argument("--anchors", type=int, default=32, help="random anchors per sequence")
     ap.add_argument("--draft-lr", type=float, default=2e-3)
     ap.add_argument("--gamma", type=float, default=4.0, help="position weight exp(-k/gamma)")
+    ap.add_argument("--mixed-rollouts", type=int, nargs=2, default=[1024, 3072],
+                    metavar=("GREEDY", "SAMPLED"), help="training rollouts of stage mixed")
+    ap.add_argument("--finetune-minutes", type=float, default=12.0, help="per draft")
+    ap.add_argument("--finetune-lr", type=float, default=1e-3)
+    ap.add_argument("--kinds", default="dflash,dspark", help="drafts the finetune stage trains "
+                    "(one per process runs them concurrently)")
+    ap.add_argument("--soft-weight", type=float, default=1.5,
+                    help="weight of a sampled batch's soft loss next to a greedy batch's")
     ap.add_argument("--eval-prompts", type=int, default=32)
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument(
@@ -736,6 +915,21 @@ def main():
                 train_draft(
                     args, kind, target, tcfg, ro["train"], ro["held"], Path(args.draft_root) / kind
                 )
+    mixed_path = work / "mixed_rollouts.pt"
+    if "mixed" in stages:
+        t0 = time.time()
+        n_greedy, n_sampled = args.mixed_rollouts
+        ro = {"greedy": mixed_rollouts(target, tok, train_files, root, n_greedy, 5, False),
+              "sampled": mixed_rollouts(target, tok, train_files, root, n_sampled, 6, True),
+              "held_greedy": mixed_rollouts(target, tok, held_files, root, 64, 7, False),
+              "held_sampled": mixed_rollouts(target, tok, held_files, root, 64, 8, True)}
+        torch.save(ro, mixed_path)
+        print(f"mixed rollouts: {n_greedy} greedy + {n_sampled} sampled; "
+              f"{(time.time() - t0) / 60:.1f} min", flush=True)
+    if "finetune" in stages:
+        ro = torch.load(mixed_path)
+        for kind in args.kinds.split(","):
+            finetune_draft(args, kind, target, ro, Path(args.draft_root) / kind)
     if "eval" in stages:
         run_eval(args, target, tok, root, held_files)
 

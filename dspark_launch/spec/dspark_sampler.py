@@ -62,11 +62,16 @@ def _sampled_walk(draft, lm_head, hidden: torch.Tensor, anchors: torch.Tensor,
     base = lm_head.logits(hidden.reshape(r * b, d)).float().reshape(r, b, -1)  # [R, B, V]
     tokens = torch.empty((r, b), dtype=torch.int64, device=hidden.device)
     q = torch.empty((r, b, base.shape[-1]), dtype=torch.float32, device=hidden.device)
+    # Every slot's uniform at once (a pure function of key and position, so the same draws;
+    # the hash is ~20 small ops: drawn per slot, a batch-1 T=1 round at cap 8 took 9.49 ms
+    # under cProfile, 8.90 ms hoisted, outputs identical).
+    slots = rows.repeat(b)
+    u = uniforms(slots.keys, slots.positions, DRAFT).reshape(r, b)  # [R, B]
     prev = anchors
     state = draft.markov_state(r, hidden.device)  # reset every block
     for k in range(b):
         logits, state = draft.markov_step(prev, hidden[:, k], state, None, base[:, k])
         q[:, k] = target_probs(logits, rows)
-        tokens[:, k] = draw(q[:, k], uniforms(rows.keys, rows.positions + k, DRAFT))
+        tokens[:, k] = draw(q[:, k], u[:, k])
         prev = tokens[:, k]  # the token actually drafted seeds the next slot
     return tokens, q

@@ -51,6 +51,10 @@ def test_each_drafter_decodes_losslessly_with_real_acceptance(tmp_path) -> None:
         outputs[algorithm] = [r["output_ids"] for r in job.records]
         taus[algorithm] = job.metrics["mean_tau"]
         assert all(r["text"] for r in job.records)  # the tokenizer ships with the target
+        if algorithm != "NONE":  # "fixed" verifies every draft and still predicts (the summary)
+            report = job.metrics["speculative_policy"]
+            assert report["policy"] == "fixed" and report["rounds"] > 0, report
+            assert report["predicted_tau"] > 1.0 and report["calibration"], report
     assert outputs["DFLASH"] == outputs["NONE"]
     assert outputs["DSPARK"] == outputs["NONE"]
     assert taus["DFLASH"] > 1.2 and taus["DSPARK"] > 1.2, taus

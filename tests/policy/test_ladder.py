@@ -371,3 +371,33 @@ def test_two_step_tries_still_climb_and_stay_within_budget():
         played = closed_loop(Ladder(8, try_steps=2), half, steps, noise=0.0)
         lost = sum(1 - half(*arm) for arm in played)
         assert lost <= BUDGET * steps + ALLOWANCE + 0.5, (steps, Counter(played))
+
+
+def test_a_ladder_the_budget_holds_back_tries_in_bursts():
+    """Every drafting arm at half plain speed, two-step tries (batch 16): the tries of the
+    neighbours, each EXPLORE_MAX steps apart, would lose more than BUDGET, so the budget
+    decides when they run. Resumed as soon as one try fits, each try would come alone, after
+    its own wake (horizon + 1 awake steps); with REFILL they come in bursts, one wake for
+    several tries, and the ladder is quiet most of the time. The budget still holds."""
+    horizon = 32
+    half = lambda cap, model: 0.5 if cap else 1.0  # noqa: E731
+    ladder = Ladder(8, try_steps=2)
+    closed_loop(ladder, half, 2000, noise=0.0)
+    quiet, played = [], []
+    for _ in range(4000):
+        q = ladder.quiet(horizon)
+        i = ladder.pick()
+        arm = ladder.arms[i]
+        quiet.append(q and i == ladder.at)
+        played.append(arm.cap)
+        ladder.observe(i, ROUNDS, ROUNDS * half(arm.cap, arm.model), 1.0)
+    tries = sum(1 for t, cap in enumerate(played) if cap and not (t and played[t - 1]))
+    wakes = sum(1 for t in range(1, len(quiet)) if quiet[t - 1] and not quiet[t])
+    assert tries >= 10, tries  # the budget lets tries in now and then
+    assert wakes <= tries / 2, (wakes, tries)
+    assert sum(quiet) >= 0.75 * len(quiet), sum(quiet)
+    for t, cap in enumerate(played):
+        if cap:
+            assert not any(quiet[max(0, t - horizon):t]), t
+    lost = sum(1 - half(c, False) for c in played)
+    assert lost <= BUDGET * (2000 + 4000) + ALLOWANCE + 0.5
