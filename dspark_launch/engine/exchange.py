@@ -32,6 +32,7 @@ class Flags:
     digests: list[int]  # each rank's digest of what it committed last step (divergence.py)
     forward_us: int = 0  # the previous step's time without drafting, max over ranks
     draft_us: int = 0  # the previous step's draft time, max over ranks
+    context_us: int = 0  # the previous step's deferred context writes, max over ranks
 
 
 class Inbox:
@@ -58,17 +59,17 @@ class Inbox:
 
 
 def exchange(events: list[tuple], work: bool, digest: int = 0,
-             timing: tuple[int, int] = (0, 0)) -> tuple[Flags, list[tuple]]:
+             timing: tuple[int, int, int] = (0, 0, 0)) -> tuple[Flags, list[tuple]]:
     """Collective over every rank: the flags of all ranks, and rank 0's events. `digest`:
     this rank's digest of last step's commits (divergence.py); `timing`: this rank's last
-    step (forward, draft) in microseconds; the verify-length policy learns from the maximum,
-    so every rank refines its cost curve alike."""
+    step (forward, draft, deferred context writes) in microseconds; the verify-length policy
+    learns from the maximum, so every rank refines its cost curve alike."""
     rows = all_gather_ints([len(events), int(work), received_signal(), digest, *timing])
     if rows[0][0]:
         events = broadcast_object(events)
     flags = Flags(work=any(r[1] for r in rows), signal=max(r[2] for r in rows),
                   digests=[r[3] for r in rows], forward_us=max(r[4] for r in rows),
-                  draft_us=max(r[5] for r in rows))
+                  draft_us=max(r[5] for r in rows), context_us=max(r[6] for r in rows))
     return flags, events
 
 

@@ -11,6 +11,8 @@ of plain-decoding requests) wait, and are written in one batch before the next d
 before their rows change hands (KVSpace.before_release), or once DEFERRED_CONTEXT_ROWS have
 gathered.
 When the policy keeps every request from drafting, this is what makes speculation cost nothing.
+The seconds those writes take are kept apart (flushed_s): the steps that let them wait are
+timed without them (engine.step), as a settled plain ladder would run them (dormant).
 
 Drafts stay on the device. Every request drafts its full block (capped by its limit), so the
 verify width is known on the host before any draft exists. DSpark's confidence cut (threshold
@@ -18,6 +20,8 @@ verify width is known on the host before any draft exists. DSpark's confidence c
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import torch
@@ -106,9 +110,11 @@ class DFlashProposer(Proposer):
         """Write the waiting context rows into the draft pool (one batched call)."""
         if not self._pending:
             return
+        t0 = time.perf_counter()
         features, positions, rows = (torch.cat(parts) for parts in zip(*self._pending))
         self._pending, self._pending_rows = [], 0
         self.draft.materialize(features, positions, rows, self.pool)
+        self.flushed_s += time.perf_counter() - t0
 
 
 class DSparkProposer(DFlashProposer):

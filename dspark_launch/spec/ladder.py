@@ -32,11 +32,13 @@ multiples of themselves (ALIGN), so those tries come in bursts. One not yet reso
 being tried, for PATIENCE tries. A try far off its arm's record (SURPRISE: the machine or the
 batch changed) makes the old tries count less and the arm due again soon. After a move the
 ratios are re-based on the new arm (the old one's is the mirror of the one that won, the
-others' shift by the winner's and count less: they are estimates through it).
+others' shift by the winner's and count less: they are estimates through it), except after
+leaving plain decoding: then plain decoding is measured afresh from the new arm (_move).
 
-Exploring is paid for: tries are made only while what they lost stays within BUDGET of the
-run's time (plus a small ALLOWANCE), so a drafter that never pays costs at most that, even in
-a short run; a try faster than the current arm refills the budget. Once the budget has held
+Exploring is paid for: tries are made only while what they lost (and, at plain decoding, what
+waking for them cost) stays within BUDGET of the run's time (plus a small ALLOWANCE), so a
+drafter that never pays costs at most that, even in a short run; a try faster than the
+current arm refills the budget. Once the budget has held
 plain decoding's tries back, they resume after a REFILL, in a burst.
 
 It starts at plain decoding, so speculation has to earn its place, and measures the top cap
@@ -115,6 +117,13 @@ SURPRISE = 3.0  # a try this many scatters off its arm's mean: the machine or ba
 SURPRISE_KEEP = 0.25  # ... and what its old tries still count then, or once re-based on a
 # new arm
 PLAIN = 0  # the arm index of plain decoding
+# Plain decoding not yet told apart from the current arm is tried at least every UNRESOLVED
+# steps: a drafting arm that only ties costs CPU for nothing, and a tie is plain decoding's
+# (_judge). Its tries cost next to nothing then (it is about as fast). Waiting EXPLORE_MAX,
+# a ladder that moved on a synchronised start's lucky tries (a first wave's requests drafting
+# the same stretch of text) could not tell, for hundreds of steps, that its tries since
+# then said otherwise: plain's record mixed both.
+UNRESOLVED = 64
 _KEEP = 0.5 ** (1 / HALF_LIFE)  # what a try still counts one step later
 # A neighbour not yet judged whose tries so far AND predicted speed (VerifyPolicy._predictor:
 # this run's acceptance and the start-up profile) are both below this share of the current
@@ -130,6 +139,12 @@ UNLIKELY = 0.75
 # and the first tries of each neighbour (0.6x plain decoding there) took 10% of it.
 BUDGET = 0.01
 ALLOWANCE = 6.0
+# At plain decoding the tries' budget pays for waking too: an awake plain step writes the
+# draft's context (its rows; a dormant one does not), in no arm's time (engine.step) but in
+# the run's, and those writes are charged to the budget at the next try (admitted first, so
+# that a wake never holds back the try it was for). At batch 16 and 64 an awake plain step
+# ran 3.7% over a dormant one, and uncharged, a ladder kept awake by frequent tries ran
+# 0.97-0.98x plain decoding with its tries within budget.
 # Once the budget stops a try of plain decoding's neighbours, tries resume only when REFILL
 # yardstick steps of room are back: then they come in bursts, and a dormant engine wakes
 # (WAKE_AHEAD) once per burst. Resumed as soon as one try fitted, a settled ladder at batch 16,
@@ -175,6 +190,11 @@ class Arm:
         """Re-base the tries: every log ratio moves by `by` (their scatter stays)."""
         self.squares += 2 * by * self.total + by * by * self.rounds
         self.total += by * self.rounds
+
+    def forget(self) -> None:
+        """No tries: measured afresh (young)."""
+        self.rounds = self.seen = self.total = self.squares = self.weights = 0.0
+        self.count = 0
 
     def mirror(self, other: Arm) -> None:
         """Take `other`'s tries, negated: A over B is the inverse of B over A."""
@@ -228,6 +248,7 @@ class Ladder:
         self.elapsed = 0.0  # yardstick steps all scored steps took ...
         self.spent = 0.0  # ... and what tries lost in them (BUDGET)
         self._refilling = False  # the budget stopped a try: no tries until REFILL is back
+        self._waking = 0.0  # context writes of awake plain steps not yet charged (BUDGET)
         self._unfaded = 0  # scored steps whose fade the arms have not had yet (_settle)
         # The current arm's steps: the average log of their relative seconds, and the mean
         # squared miss of one step's against it (over _misses steps): the machine's and the
@@ -313,6 +334,8 @@ class Ladder:
                 arm.due = self._due(arm.wait) if arm.judgeable else self.steps + 1
                 self._tried = self.steps
                 self.tries += 1
+                self.spent += self._waking  # what waking for this try cost (BUDGET)
+                self._waking = 0.0
                 if self.try_steps > 1:
                     self._trying = (j, self.try_steps - 1)
                 return j
@@ -356,9 +379,14 @@ class Ladder:
         mine, there = predict(self.current), predict(arm)
         return mine is not None and there is not None and there < UNLIKELY * mine
 
-    def observe(self, i: int, rounds: int, committed: float, relative_seconds: float) -> None:
+    def observe(self, i: int, rounds: int, committed: float, relative_seconds: float,
+                context: float = 0.0) -> None:
         """One step played with arm i: `rounds` requests committed `committed` tokens in a
-        step that took `relative_seconds` yardstick steps of them."""
+        step that took `relative_seconds` yardstick steps of them, and `context` yardstick
+        steps more writing the draft's context for earlier plain steps (in no arm's time:
+        at plain decoding it is the price of being awake for tries: BUDGET)."""
+        if self.at == PLAIN:
+            self._waking += max(context, 0.0)
         if rounds <= 0 or not relative_seconds > 0 or committed <= 0:
             return
         arm = self.arms[i]
@@ -422,7 +450,7 @@ class Ladder:
             # Not resolved yet: measure it more, but less often while it looks like a tie or
             # after many tries (a difference this hard to see is worth little).
             if abs(gap) < math.log(1 + MARGIN) or there.count >= PATIENCE:
-                there.wait = min(2 * there.wait, EXPLORE_MAX)
+                there.wait = min(2 * there.wait, EXPLORE_MAX if i != PLAIN else UNRESOLVED)
             return
         if i == self._ahead:
             self._ahead = None
@@ -454,9 +482,21 @@ class Ladder:
             if j not in (i, self.at):  # through the winner's, so the next try counts more
                 arm.shift(-gap)
                 arm.fade(SURPRISE_KEEP)
-        came_from.mirror(there)
-        there.rounds = there.total = there.squares = there.weights = there.seen = 0.0
-        there.count = 0
+        if self.at == PLAIN:
+            # Left plain decoding: plain decoding is measured afresh from the new arm, not
+            # credited with the mirror of the tries that won. Those tries were biased the
+            # one way: a drafting step after plain ones drafts from fresh positions, where
+            # a settled drafting arm starts every round where the last one failed, and at a
+            # synchronised start the tries all come from the same requests' same stretch
+            # of text. At batch 64 greedy DFlash's cap 2 committed 2.47 tokens a round in
+            # its three tries from plain decoding (scored 1.18x), 2.09 once settled, and
+            # ran 0.95x plain decoding. A try of plain decoding commits one token a round
+            # whatever came before, so plain's tries from the new arm are the fair test.
+            came_from.forget()
+            came_from.wait, came_from.due = EXPLORE_EVERY, 0  # young: due at once
+        else:
+            came_from.mirror(there)
+        there.forget()
         self.base *= math.exp(gap)
         self._base_rounds, self._base_steps = 0.0, 0
         self.at = i
@@ -480,16 +520,21 @@ class Ladder:
         """Plain decoding is the current arm and no neighbour is due to be tried (nor let in
         by the budget) in the next pick or the `horizon` after it: nothing will draft for a
         while (picks count self.steps up by one; a neighbour never tried is due at once)."""
-        if self.current.cap or self._ahead is not None or self._trying is not None \
-                or not self.near[self.at]:
+        if self.current.cap or self._trying is not None or not self.near[self.at]:
             return False
         if self.steps + 1 + horizon < self._quiet_until:
             return True
-        due = min(self.arms[j].due for j in self.near[self.at])
-        # steps (of about one yardstick step each) until the budget lets a try in again
+        # steps (of about one yardstick step each) until the budget lets a try in again:
+        # a climb's next cap waits for it too, and a ladder awake meanwhile would pay its
+        # context writes for nothing (BUDGET)
         room = self._room()
         held = max(0.0, (REFILL if self._refilling or room < 0 else 0.0) - room) / BUDGET
-        if max(due, self.steps + held) <= self.steps + 1 + horizon:
+        if held > 1 + horizon:
+            return True
+        if self._ahead is not None:
+            return False
+        due = min(self.arms[j].due for j in self.near[self.at])
+        if due <= self.steps + 1 + horizon:
             return False
         # Before the first due every pick returns the current arm (whatever the budget), and
         # nothing moves a due meanwhile but a try's outcome (observe) or a move.

@@ -555,15 +555,17 @@ class VerifyPolicy:
             self._played.committed += rounds * round_score([], 0, 0)
 
     def record_step(self, decode_tokens: int, forward_tokens: int, forward_s: float,
-                    draft_rows: int, draft_s: float, base_tokens: int | None = None) -> None:
+                    draft_rows: int, draft_s: float, base_tokens: int | None = None,
+                    context_s: float = 0.0) -> None:
         """Measured (agreed) times of the last step (`base_tokens`: its tokens before any
-        draft): refine both curves and the drafting factor; age the counts.
+        draft; `context_s`: deferred context writes, in neither time): refine both curves and
+        the drafting factor; age the counts.
         Acceptance counts age with drafting steps only: new evidence replaces old, but a
         drafter written off does not drift back to the optimistic prior by itself. Probes
         (plan(), backing off) are what tries it again."""
         self.metrics.verified_tokens[decode_tokens] += 1
         if decode_tokens:
-            self._observe_ladder(forward_s + draft_s)
+            self._observe_ladder(forward_s + draft_s, context_s)
         if self.adaptive and base_tokens is not None and draft_rows:
             self._learn_drafting_factor(base_tokens, forward_tokens, forward_s)
         if decode_tokens:
@@ -581,7 +583,7 @@ class VerifyPolicy:
             self.measured.tick()
             self.correction.tick()
 
-    def _observe_ladder(self, seconds: float) -> None:
+    def _observe_ladder(self, seconds: float, context_s: float) -> None:
         """The timed step's outcome to its ladder. Its times arrive one step late: after the
         next step was planned (then it is _pending) or, when that step planned nothing (a
         prefill), while it is still _played; a step none of whose requests was recorded yet
@@ -594,8 +596,9 @@ class VerifyPolicy:
             self._pending = None
         else:
             self._played = None
+        yardstick = self.reference.step_seconds(played.base_tokens)
         played.ladder.observe(played.arm, played.rounds, played.committed,
-                              seconds / self.reference.step_seconds(played.base_tokens))
+                              seconds / yardstick, context_s / yardstick)
 
     def forget(self, key: object) -> None:
         self.tracker.forget(key)

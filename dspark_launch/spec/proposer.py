@@ -38,6 +38,9 @@ class Proposer:
     # A block drafter may run a block shorter than its trained one, just long enough for the
     # step's longest verify (the adaptive policy turns this on; others have no block).
     fit_block = False
+    # Seconds flush() spent writing deferred context rows since the engine last zeroed it:
+    # rows plain steps owe only if a later step drafts (no step's price: engine.step).
+    flushed_s = 0.0
 
     @property
     def max_drafts(self) -> int:

@@ -302,19 +302,22 @@ def batch_1_rounds(score: str, seed: int, steps: int) -> list[int]:
 
 def test_batch_1_ends_at_the_fastest_caps_when_scored_at_measured_rates():
     """At batch 1 a step is one round of 1 to 9 tokens. Scored by the tokens committed, the
-    mean of their logs judged the caps that draft most slowest: over these seeds the ladder
-    then ran late at 0.969 of the fastest cap on average, one seed at 0.77 (stuck at cap 2),
-    four below 0.97. Scored at the rates each arm measured, every seed runs late within 5% of
-    the fastest cap (closed form: expected tokens over cost); cap 8, within MARGIN of cap 7,
-    is kept where the ladder reached it first."""
+    mean of their logs judges the caps that draft most slowest: over these 100 seeds the
+    ladder then runs late at 0.966 of the fastest cap on average, 10 seeds below 0.95, one at
+    0.76 (stuck at cap 2). Scored at the rates each arm measured, it runs late at 0.979 on
+    average (closed form: expected tokens over cost), 2-3 seeds below 0.95 (noise: a cap
+    judged 14-24% faster than one 2-8% faster than it, on 16-25 tries of 1-9 tokens); cap 8,
+    within MARGIN of cap 7, is kept where the ladder reached it first."""
     speed = {c: round_score(ACCEPT, c, 0) / round_cost(c) for c in Ladder.caps(len(ACCEPT))}
     best = max(speed.values())
     late = []
-    for seed in range(20):
+    for seed in range(100):
         played = batch_1_rounds("measured", seed, 3000)
         late.append(sum(speed[c] for c in played[-1000:]) / 1000 / best)
-    assert min(late) >= 0.95, [round(x, 3) for x in late]
-    assert sum(late) / len(late) >= 0.975, [round(x, 3) for x in late]
+    shown = sorted(round(x, 3) for x in late)[:10]
+    assert sum(x < 0.95 for x in late) <= 5, shown
+    assert min(late) >= 0.85, shown
+    assert sum(late) / len(late) >= 0.975, (sum(late) / len(late), shown)
 
 
 def switching_loop(ladder: Ladder, speedup, steps: int, seed: int, penalty: float,
@@ -401,3 +404,71 @@ def test_a_ladder_the_budget_holds_back_tries_in_bursts():
             assert not any(quiet[max(0, t - horizon):t]), t
     lost = sum(1 - half(c, False) for c in played)
     assert lost <= BUDGET * (2000 + 4000) + ALLOWANCE + 0.5
+
+
+def wave_loop(ladder: Ladder, steps: int, seed: int, wave: int, lucky: float,
+              settled: float) -> list[tuple[int, bool]]:
+    """closed_loop at batch 64 on a synchronised start: every drafting arm runs `settled` x
+    plain decoding, but for the first `wave` steps `lucky` x that (a first wave's requests
+    all drafting the same, easy stretch of their texts)."""
+    rng = random.Random(seed)
+    played = []
+    for step in range(steps):
+        i = ladder.pick()
+        arm = ladder.arms[i]
+        speed = settled * (lucky if step < wave else 1.0) if arm.cap else 1.0
+        ladder.observe(i, 64, 64 * speed * rng.uniform(0.97, 1.03), rng.uniform(0.9, 1.1))
+        played.append((arm.cap, arm.model))
+    return played
+
+
+def test_a_lucky_start_is_undone():
+    """Batch 64 greedy, DFlash (scripts/bench_serving.py): its cap 2 committed 2.47 tokens a
+    round in three tries from plain decoding during the first wave, 2.09 once settled, and
+    ran 0.95x plain decoding; the ladder moved to it at step 64 and stayed (plain decoding,
+    credited with the mirror of those tries, looked 15% slower). Here drafting runs 0.95x
+    plain decoding but 1.2x that for the first 64 steps: the ladder leaves plain decoding in
+    the wave, then measures plain decoding afresh from the new arm, and comes back to it in
+    every seed."""
+    drafting = lambda cap, model: 0.95 if cap else 1.0  # noqa: E731
+    for seed in range(8):
+        ladder = Ladder(8, try_steps=2)
+        played = wave_loop(ladder, 1500, seed, wave=64, lucky=1.2, settled=0.95)
+        assert any(cap for cap, _ in played[:64]), seed  # the wave's tries won
+        assert ladder.at == PLAIN, (seed, Counter(played[-500:]))
+        assert achieved(played[-500:], drafting) >= 0.99, (seed, Counter(played[-500:]))
+
+
+def awake_loop(ladder: Ladder, speed: float, wake: float, steps: int, charged: bool,
+               horizon: int = 32) -> tuple[float, float]:
+    """closed_loop at plain decoding with the policy's dormancy: a plain step the ladder does
+    not call quiet (horizon: WAKE_AHEAD) is awake and writes the draft's context, `wake`
+    yardstick steps more, told to the ladder if `charged`. Every drafting arm runs `speed` x
+    plain decoding. -> (yardstick steps lost to tries and wakes, share of awake steps)."""
+    lost = awake = 0.0
+    for _ in range(steps):
+        quiet = ladder.quiet(horizon)
+        i = ladder.pick()
+        arm = ladder.arms[i]
+        s = speed if arm.cap else 1.0
+        cost = wake if ladder.at == PLAIN and not (quiet and i == ladder.at) else 0.0
+        awake += cost > 0
+        lost += (1 - s) + cost
+        ladder.observe(i, ROUNDS, ROUNDS * s, 1.0, cost if charged else 0.0)
+    return lost, awake / steps
+
+
+@pytest.mark.parametrize("speed", [0.9, 0.97, 0.99])
+def test_waking_for_tries_is_paid_from_the_budget(speed):
+    """An awake plain step writes the draft's context, 4% of a step (batch 16 and 64: 3.7%),
+    which no arm's time shows (engine.step). Drafting arms at 0.9-0.99x plain decoding: told
+    nothing of it, a ladder whose tries lose little kept trying and was awake in every step,
+    losing 4% of the run (0.99x); charged to the budget, tries and wakes together lose at
+    most BUDGET of the run plus ALLOWANCE, and the ladder sleeps most of the time."""
+    steps, wake = 6000, 0.04
+    lost, awake = awake_loop(Ladder(8, try_steps=2), speed, wake, steps, charged=True)
+    assert lost <= BUDGET * steps + ALLOWANCE + 2 * wake * 32, (lost, awake)
+    assert awake <= 0.3, awake
+    if speed == 0.99:
+        free, always = awake_loop(Ladder(8, try_steps=2), speed, wake, steps, charged=False)
+        assert always >= 0.9 and free >= 3 * lost, (free, always)

@@ -83,7 +83,8 @@ class SteadyClock(ProposerProbe):
         self._saved.append((VerifyPolicy, "record_step", original))
 
         def record_step(policy, decode_tokens, forward_tokens, forward_s, draft_rows,
-                        draft_s, base_tokens=None):
+                        draft_s, base_tokens=None, context_s=0.0):
+            # (deferred context writes: free on this machine)
             return original(policy, decode_tokens, forward_tokens,
                             self.STEP + self.ROW * forward_tokens, draft_rows,
                             self.DRAFT_ROW * draft_rows, base_tokens)
