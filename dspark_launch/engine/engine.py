@@ -303,8 +303,9 @@ class Engine:
         if not sub:
             return None, 0
         # Context rows deferred by plain steps are owed whether or not anyone drafts: they
-        # are no price of this draft (nor of this step's forward), so the policy never sees
-        # them (each plain step would otherwise look cheap and each drafting one dear).
+        # are no price of this draft (nor of this step's forward), so no step's time holds
+        # them (each plain step would otherwise look cheap and each drafting one dear); the
+        # policy is told them apart (flushed_s, below).
         self.proposer.flush()
         reqs = [decode[i] for i in sub]
         mine = [limits[i] for i in sub]

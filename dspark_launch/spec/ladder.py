@@ -316,8 +316,7 @@ class Ladder:
             # In a row, once: one-step tries spaced out each paid the draft's cold caches
             # (at batch 1 greedy the top cap's 16 measured 1.2x, in a row 1.45x; it runs
             # 1.8x), and the ladder climbed through caps 2 and 4 for hundreds of steps.
-            self.tries += 1
-            self._tried = self.steps
+            self._begin_try()
             return self._ahead
         if self.steps - self._tried <= TRY_GAP:
             return self.at
@@ -332,14 +331,18 @@ class Ladder:
                     continue
                 self._turn = (self._turn + k + 1) % len(near)
                 arm.due = self._due(arm.wait) if arm.judgeable else self.steps + 1
-                self._tried = self.steps
-                self.tries += 1
-                self.spent += self._waking  # what waking for this try cost (BUDGET)
-                self._waking = 0.0
+                self._begin_try()
                 if self.try_steps > 1:
                     self._trying = (j, self.try_steps - 1)
                 return j
         return self.at
+
+    def _begin_try(self) -> None:
+        """A neighbour is tried this step: counted, and charged what waking for it cost."""
+        self.tries += 1
+        self._tried = self.steps
+        self.spent += self._waking  # (BUDGET)
+        self._waking = 0.0
 
     def _room(self) -> float:
         """Yardstick steps tries may still lose within BUDGET of the run plus ALLOWANCE,
