@@ -59,6 +59,7 @@ class RunConfig:
     speculative_policy: str = "adaptive"
     profile_cost_curve: str = "auto"
     attention_backend: str = "auto"
+    cpu_gemm: str = "auto"
     # memory
     kv_cache_memory: int | None = None
     mem_fraction_static: float = 0.85
@@ -153,6 +154,11 @@ def build_parser(serve: bool = False) -> argparse.ArgumentParser:
                    "from measured steps only")
     g.add_argument("--attention-backend", choices=("auto", "triton", "torch"), default="auto",
                    help="auto: triton on CUDA, torch on CPU")
+    g.add_argument("--cpu-gemm", choices=("auto", "torch", "onednn"), default="auto",
+                   help="CPU projections: auto times the forward at start-up with torch's "
+                   "GEMM and with oneDNN's packed weights and takes oneDNN from the row count "
+                   "where it is faster (cached per machine); torch: torch's GEMM only; onednn: "
+                   "packed weights at every row count (fp32/bf16 weights on CPU)")
     g = p.add_argument_group("memory")
     g.add_argument("--kv-cache-memory", default=None,
                    help="per-rank KV budget on CPU (bytes or 512MiB / 2GiB); default: a share "
@@ -323,6 +329,7 @@ def resolve_config(argv: list[str] | None = None, world_size: int | None = None)
         speculative_policy=ns.speculative_policy,
         profile_cost_curve=ns.profile_cost_curve,
         attention_backend=ns.attention_backend,
+        cpu_gemm=ns.cpu_gemm,
         kv_cache_memory=kv_bytes,
         mem_fraction_static=ns.mem_fraction_static,
         max_total_tokens=ns.max_total_tokens,

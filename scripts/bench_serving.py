@@ -44,6 +44,7 @@ from dspark_launch.engine.heap import freeze_heap
 from dspark_launch.engine.inputs import BUILTIN_PROMPTS
 from dspark_launch.engine.params import SamplingParams
 from dspark_launch.engine.request import RequestSpec
+from dspark_launch.models.layers.gemm import NEVER
 from dspark_launch.spec.policy import POLICIES
 
 TWIN = "NONE/2"  # a second plain-decoding engine: the noise band (--noise-band)
@@ -237,6 +238,8 @@ def main() -> None:
                     help="verify-length policy of every speculative algorithm")
     ap.add_argument("--kv-cache-memory", default="256MiB")
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--cpu-gemm", default="auto", choices=("auto", "torch", "onednn"),
+                    help="every engine's CPU GEMM (engine/gemm_choice.py)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--threads", type=int, default=1,
                     help="intra-op threads (default 1: on a small or shared CPU more threads "
@@ -266,6 +269,7 @@ def main() -> None:
     ladders: dict[str, dict] = {}  # batch -> algorithm -> the verify ladders at the end
     counts: dict[str, int] = {}  # batch -> prompts per repeat
     warmups: dict[str, dict] = {}  # group -> algorithm -> each warm-up pass
+    gemms: dict[str, dict] = {}  # batch -> algorithm -> oneDNN from rows (None: never)
     try:
         for batch in args.batches:
             def build(algorithm: str, batch: int = batch):
@@ -275,7 +279,7 @@ def main() -> None:
                     block_size=args.block_size, attention_backend=args.attention_backend,
                     kv_cache_memory=parse_bytes(args.kv_cache_memory),
                     max_running_requests=batch, speculative_policy=args.speculative_policy,
-                    disable_mixed_chunk=True))
+                    disable_mixed_chunk=True, cpu_gemm=args.cpu_gemm))
 
             # The first engine built was 1.1-2.4% slower than identical copies built after
             # it, however the turns ran (three NONE engines, batch 1 and 64); with one more
@@ -318,6 +322,8 @@ def main() -> None:
             ladders[f"batch {batch}"] = {name: engine.policy.report()["ladders"]
                                          for name, engine in engines.items()
                                          if getattr(engine, "policy", None) is not None}
+            gemms[f"batch {batch}"] = {name: None if engine.gemm_from_rows == NEVER else
+                                       engine.gemm_from_rows for name, engine in engines.items()}
             for engine in [*engines.values(), spare]:
                 engine.shutdown()
     finally:
@@ -355,7 +361,8 @@ def main() -> None:
             "num_prompts": counts, "distinct_prompts": len(set(texts)),
             "repeats": args.repeats, "warmup": args.warmup,
             "model": args.model,
-            "speculative_policy": args.speculative_policy,
+            "speculative_policy": args.speculative_policy, "cpu_gemm": args.cpu_gemm,
+            "gemm_from_rows": gemms,
             "statistic": "median of repeats; decode = steps that prefilled nothing"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results,

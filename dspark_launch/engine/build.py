@@ -14,6 +14,7 @@ from dspark_launch import failure
 from dspark_launch.attention import make_backend
 from dspark_launch.comm import agreed
 from dspark_launch.engine.engine import Engine, EngineLimits
+from dspark_launch.engine.gemm_choice import choose_gemm
 from dspark_launch.engine.verify_policy import build_verify_policy
 from dspark_launch.engine.warmup import largest_batch_step
 from dspark_launch.errors import ConfigError
@@ -23,6 +24,7 @@ from dspark_launch.memory.build import build_kv_memory
 from dspark_launch.memory.geometry import KVGeometry
 from dspark_launch.memory.radix_cache import RadixCache
 from dspark_launch.memory.transients import check_step_peak, step_shape
+from dspark_launch.models.layers.gemm import NEVER
 from dspark_launch.models.loader import load_model
 from dspark_launch.parallel import get_parallel
 from dspark_launch.spec.factory import draft_kind_of, make_proposer
@@ -45,6 +47,7 @@ class EngineArgs:
     dtype: str = "auto"
     device: str = "auto"  # informational: the device is chosen by init_parallel_runtime
     attention_backend: str = "auto"
+    cpu_gemm: str = "auto"  # or "torch" or "onednn" (engine/gemm_choice.py)
     kv_cache_memory: int | None = None
     mem_fraction_static: float = 0.85
     max_total_tokens: int | None = None
@@ -197,6 +200,11 @@ def build_engine(args: EngineArgs) -> Engine:
         context_limit=context_limit, eos_ids=tuple(target.config.eos_token_ids), seed=args.seed,
         mixed_chunk=not args.disable_mixed_chunk)
     engine = Engine(target, proposer, memory, backend, limits, load_tokenizer(ckpt.model))
+    # Before the cost curve: it times the forward on the kernel chosen here.
+    engine.gemm_from_rows, gemm_source = choose_gemm(engine, args.cpu_gemm)
+    if state.rank == 0:
+        logger.info("cpu gemm: %s (%s)", "torch's" if engine.gemm_from_rows == NEVER else
+                    f"oneDNN, packed weights, from {engine.gemm_from_rows} rows", gemm_source)
     engine.checkpoints = ckpt
     engine.plan = plan
     engine.generation_defaults = generation_defaults(ckpt.model)

@@ -45,6 +45,7 @@ from dspark_launch.engine.request import (
 from dspark_launch.engine.scheduler import Scheduler, StepPlan
 from dspark_launch.engine.verify_policy import micros, request_class, spread
 from dspark_launch.failure import Interrupted, inject_fault, progress
+from dspark_launch.models.layers.gemm import NEVER
 from dspark_launch.parallel import get_parallel
 from dspark_launch.spec import transfer
 from dspark_launch.spec.keyed import request_key
@@ -101,6 +102,7 @@ class Engine:
         self.checkpoints = None
         self.plan = None
         self.generation_defaults: dict = {}
+        self.gemm_from_rows = NEVER  # CPU projections packed from these rows (gemm_choice.py)
         # The verify-length policy (engine/verify_policy.py; None: verify every draft), and
         # what it learns from: the last step's tokens and its (forward, draft, deferred
         # context writes) microseconds.

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import torch
 
-from dspark_launch.attention import build_metadata
 from dspark_launch.comm import all_gather_object, broadcast_object
+from dspark_launch.disk_cache import device_name
+from dspark_launch.engine.warmup import profile_forward
 from dspark_launch.log import logger
 from dspark_launch.parallel import get_parallel
 from dspark_launch.spec.acceptance import load_calibration
@@ -33,30 +33,6 @@ def request_class(req) -> str:
     return "greedy" if req.params.temperature < GREEDY_EPS else "sampled"
 
 
-def profile_forward(engine, n: int) -> None:
-    """One real target forward of n tokens on every rank (each group forwards n), shaped like
-    a decode step: requests of one verify block each, in fresh request slots."""
-    block = 1 + engine.proposer.max_drafts
-    sizes = [block] * (n // block) + ([n % block] if n % block else [])
-    space = engine.space
-    slots = []
-    try:
-        for size in sizes:
-            slot = space.new_slot()
-            if slot is None or not space.reserve(slot, size):
-                raise RuntimeError(f"cost-curve profile: no room for {n} tokens")
-            slots.append(slot)
-        meta = build_metadata(space.req_to_token, slots, [0] * len(slots), sizes, "causal",
-                              device=engine.device)
-        ids = torch.zeros(n, dtype=torch.int64, device=engine.device)
-        engine.target.forward(ids, meta, engine.backend, engine.memory.target,
-                              engine.proposer.capture_layer_ids,
-                              [n] * get_parallel().world_size)
-    finally:
-        for slot in slots:
-            space.free_slot(slot)
-
-
 def build_verify_policy(engine, mode: str, profile: str, draft_dir: str | None,
                         algorithm: str) -> VerifyPolicy | None:
     """On every rank, after the pools exist (the profile runs collectives)."""
@@ -69,8 +45,8 @@ def build_verify_policy(engine, mode: str, profile: str, draft_dir: str | None,
     points = profile_points(max(1, room), PROFILE_POINTS)
     c = engine.target.config
     machine = {
-        "device": (torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda"
-                   else f"cpu x{os.cpu_count()}"),
+        "device": device_name(engine.device), "torch": torch.__version__,
+        "gemm_from_rows": engine.gemm_from_rows,
         "threads": torch.get_num_threads(), "world": state.world_size, "tp": state.tp_size,
         "attn_dp": state.attn_dp_size, "backend": engine.backend.name,
         "dtype": str(engine.target.dtype), "block": block,

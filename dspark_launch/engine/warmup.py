@@ -1,5 +1,11 @@
-"""One step at the largest batch the scheduler may form, run once at start-up on CUDA so that
-memory/transients.py's price can be checked against torch.cuda.max_memory_allocated.
+"""The forwards the engine runs at start-up, before any request.
+
+profile_forward: one real target forward of n tokens shaped like a decode step, timed by the
+CPU GEMM choice (engine/gemm_choice.py) and the cost-curve profile (engine/verify_policy.py).
+
+largest_batch_step: one step at the largest batch the scheduler may form, run once at start-up
+on CUDA so that memory/transients.py's price can be checked against
+torch.cuda.max_memory_allocated.
 
 It allocates what a real step does beyond the pools: the target forward over every forward
 row (R - 1 verify rounds and one prefill chunk) with the draft's features captured, the
@@ -14,6 +20,7 @@ import torch
 
 from dspark_launch.attention import build_metadata
 from dspark_launch.memory.transients import StepShape
+from dspark_launch.parallel import get_parallel
 
 
 def largest_batch_step(target, proposer, memory, backend, shape: StepShape) -> bool:
@@ -53,3 +60,30 @@ def _run(target, proposer, memory, backend, shape: StepShape, slots: list[int],
     target.greedy(rows)
     probs = torch.softmax(target.logits(rows).float(), dim=-1)  # [logit_rows, V]
     del hidden, captured, q, probs
+
+
+def profile_forward(engine, n: int, block: int | None = None) -> torch.Tensor:
+    """One real target forward of n tokens on every rank (each group forwards n), shaped like
+    a decode step: requests of one verify block each (or of `block` tokens), in fresh request
+    slots. -> the final hidden states [n, d] (the start-up GEMM choice runs the LM head on
+    them)."""
+    block = block or 1 + engine.proposer.max_drafts
+    sizes = [block] * (n // block) + ([n % block] if n % block else [])
+    space = engine.space
+    slots = []
+    try:
+        for size in sizes:
+            slot = space.new_slot()
+            if slot is None or not space.reserve(slot, size):
+                raise RuntimeError(f"start-up profile: no room for {n} tokens")
+            slots.append(slot)
+        meta = build_metadata(space.req_to_token, slots, [0] * len(slots), sizes, "causal",
+                              device=engine.device)
+        ids = torch.zeros(n, dtype=torch.int64, device=engine.device)
+        hidden, _ = engine.target.forward(ids, meta, engine.backend, engine.memory.target,
+                                          engine.proposer.capture_layer_ids,
+                                          [n] * get_parallel().world_size)
+        return hidden
+    finally:
+        for slot in slots:
+            space.free_slot(slot)

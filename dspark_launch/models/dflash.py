@@ -14,7 +14,6 @@ own requests without waiting on the others. `fc` and the norms are replicated.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dspark_launch.attention import AttentionBackend, ForwardContext, ForwardMetadata
@@ -25,9 +24,13 @@ from .decoder import MLP, Attention
 from .draft_config import DraftConfig
 from .layers import (
     ColumnParallelLinear,
+    Packed,
+    PackPlan,
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
+    dense,
+    pack,
 )
 
 
@@ -35,6 +38,7 @@ class DraftLayer(nn.Module):
     def __init__(self, cfg: DraftConfig, dtype: torch.dtype, device: torch.device | str,
                  layer_id: int) -> None:
         super().__init__()
+        self.kv_packed: Packed | None = None  # pack()
         # The target's attention block: same qkv/o sharding over attn_tp, same q/k norms.
         self.self_attn = Attention(cfg.layer_config(), dtype, device, layer_id)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device, over_attn_tp=True)
@@ -51,13 +55,26 @@ class DraftLayer(nn.Module):
         attn = self.self_attn
         qkv = attn.qkv_proj
         n, hd = c.shape[0], attn.head_dim
-        kv_w = qkv.weight[qkv.q_size:]  # [2 * kv_size, d] (k rows then v rows)
         kv_b = None if qkv.bias is None else qkv.bias[qkv.q_size:]
-        k, v = F.linear(c, kv_w, kv_b).split([qkv.kv_size, qkv.kv_size], dim=-1)
+        k, v = dense(c, self._kv_weight, kv_b, self.kv_packed).split(
+            [qkv.kv_size, qkv.kv_size], dim=-1)
         k, v = k.reshape(n, -1, hd), v.reshape(n, -1, hd)
         if attn.k_norm is not None:
             k = attn.k_norm(k)
         return apply_rotary(k, cos, sin), v
+
+    @property
+    def _kv_weight(self) -> torch.Tensor:  # [2 * kv_size, d]: the k rows then the v rows
+        qkv = self.self_attn.qkv_proj
+        return qkv.weight[qkv.q_size:]
+
+    def pack(self, plan: PackPlan) -> int:
+        """The context's k/v projection gets a packed copy of its own (gemm.py)."""
+        self.kv_packed = pack(self._kv_weight, plan)
+        return int(self.kv_packed is not None)
+
+    def unpack(self) -> None:
+        self.kv_packed = None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [T, d]
         h = x + self.self_attn(self.input_layernorm(x), ctx)

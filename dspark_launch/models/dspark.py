@@ -28,11 +28,19 @@ from .draft_config import DraftConfig
 from .layers import ColumnParallelLinear, new_param
 
 
+class _HeadLinear(ColumnParallelLinear):
+    """A small replicated projection of the heads (one shard: a plain Linear whose loader still
+    checks the checkpoint's full shape). The heads read its weight in fp32 math, never through
+    forward(), so it keeps no packed copy (gemm.py)."""
+
+    def pack(self, plan) -> int:
+        return 0
+
+
 def _replicated_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                        device: torch.device | str) -> ColumnParallelLinear:
-    # One shard = a plain Linear whose loader still checks the checkpoint's full shape.
-    return ColumnParallelLinear(in_features, out_features, bias=bias, shards=1, rank=0,
-                                dtype=dtype, device=device)
+    return _HeadLinear(in_features, out_features, bias=bias, shards=1, rank=0, dtype=dtype,
+                       device=device)
 
 
 class _Table(nn.Module):

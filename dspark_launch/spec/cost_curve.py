@@ -16,15 +16,15 @@ the same inputs the curve is deterministic.
 from __future__ import annotations
 
 import bisect
-import hashlib
-import json
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from dspark_launch import disk_cache
+from dspark_launch.disk_cache import cache_key
 
 CURVE_VERSION = 2  # 2: a slow point is lowered to the next one's time (profile()); curves
 # cached before, which raised later points to a slow one, are profiled again
@@ -217,40 +217,21 @@ def profile(
 # ---------------------------------------------------------------------- the on-disk cache
 
 def cache_dir() -> Path:
-    root = os.environ.get("DSPARK_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dspark_launch")
-    return Path(root) / "cost_curves"
-
-
-def cache_key(machine: dict) -> str:
-    """A stable name for (machine, topology, model shapes, dtype, threads, points)."""
-    blob = json.dumps(machine, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:20]
+    return disk_cache.cache_dir("cost_curves")
 
 
 def load_cached(key: str, directory: Path | None = None) -> CostCurve | None:
-    path = (directory or cache_dir()) / f"{key}.json"
+    data = disk_cache.read_json(directory or cache_dir(), key)
     try:
-        return CostCurve.from_dict(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # missing or stale: profile again
+        return None if data is None else CostCurve.from_dict(data)
+    except (ValueError, KeyError, TypeError):
+        return None  # stale: profile again
 
 
 def store_cached(key: str, curve: CostCurve, machine: dict,
                  directory: Path | None = None) -> Path | None:
-    """Write atomically (ranks of other jobs may read concurrently); a read-only cache
-    directory only costs the next run a re-profile."""
-    directory = directory or cache_dir()
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / f"{key}.json"
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**curve.to_dict(), "machine": machine}, indent=1,
-                                  default=str))
-        tmp.replace(path)
-        return path
-    except OSError:
-        return None
+    return disk_cache.write_json(directory or cache_dir(), key,
+                                 {**curve.to_dict(), "machine": machine})
 
 
 def profiled_curve(

@@ -3,6 +3,7 @@
 from .activation import silu_and_mul
 from .dp_gather import DPTokens
 from .embedding import ParallelLMHead, VocabParallelEmbedding
+from .gemm import Packed, PackPlan, dense, pack, pack_model, unpack_model
 from .linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -17,6 +18,8 @@ __all__ = [
     "ColumnParallelLinear",
     "DPTokens",
     "MergedColumnParallelLinear",
+    "PackPlan",
+    "Packed",
     "ParallelLMHead",
     "QKVParallelLinear",
     "RMSNorm",
@@ -26,7 +29,11 @@ __all__ = [
     "VocabParallelEmbedding",
     "apply_rotary",
     "default_weight_loader",
+    "dense",
     "new_param",
+    "pack",
+    "pack_model",
     "rms_normalize",
     "silu_and_mul",
+    "unpack_model",
 ]

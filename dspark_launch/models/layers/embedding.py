@@ -17,6 +17,7 @@ from torch import nn
 
 from dspark_launch.comm import all_gather, all_reduce
 
+from .gemm import Packs, dense
 from .weights import check_shape, copy_into, narrow, new_param
 
 
@@ -50,7 +51,7 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(out, self.group)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(Packs, VocabParallelEmbedding):
     """Same shard layout as the embedding, so a tied head simply shares its weight."""
 
     def __init__(self, vocab_size: int, hidden_size: int, *, shards: int, rank: int,
@@ -63,7 +64,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.weight = tied_to.weight  # one Parameter: the loader fills it once
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, d] -> [N, shard]
-        return F.linear(hidden, self.weight)
+        return dense(hidden, self.weight, None, self.packed)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, d] -> [N, V]
         parts = all_gather(self.local_logits(hidden), self.group)

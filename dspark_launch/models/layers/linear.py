@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from dspark_launch.comm import all_reduce
 
+from .gemm import Packs, dense
 from .weights import check_shape, copy_into, narrow, new_param, read_all
 
 
@@ -25,7 +25,7 @@ def _split(total: int, shards: int, what: str) -> int:
     return total // shards
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(Packs, nn.Module):
     """y = x W^T + b with W's output rows split: each rank produces out/shards features."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, shards: int,
@@ -47,7 +47,7 @@ class ColumnParallelLinear(nn.Module):
         copy_into(param.data, narrow(loaded, 0, self.rank * self.out_local, self.out_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out_local]
-        return F.linear(x, self.weight, self.bias)
+        return dense(x, self.weight, self.bias, self.packed)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -118,7 +118,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(Packs, nn.Module):
     """y = sum_r x_r W_r^T (+ b): input features split, partial sums all-reduced over `group`.
 
     The bias is replicated and added once, after the reduction.
@@ -143,5 +143,5 @@ class RowParallelLinear(nn.Module):
         copy_into(param.data, narrow(loaded, 1, self.rank * self.in_local, self.in_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in_local] -> [T, out]
-        y = all_reduce(F.linear(x, self.weight), self.group)
+        y = all_reduce(dense(x, self.weight, None, self.packed), self.group)
         return y if self.bias is None else y + self.bias

@@ -1,0 +1,134 @@
+"""The run's CPU GEMM (models/layers/gemm.py): torch's default, or oneDNN's packed weights from
+some row count up, chosen by timing the real forward at start-up.
+
+`--cpu-gemm auto` packs every projection of the target and the draft, then times the target
+forward plus its greedy LM head (engine/warmup.py: profile_forward, shaped like a decode step)
+at a few token counts with each kernel, alternating, the fastest of REPEATS each. The packed
+kernel takes over from the smallest count at which it was faster by MARGIN there and at every
+larger count measured; where it never was, the packed copies are dropped. The inputs are rank
+0's timings, so every rank (and every rank of an attention-TP group, whose replicated parts
+must round alike) takes the same choice; it is cached per machine like the cost curve.
+
+Measured in-model, not on the projections alone: alone, oneDNN ran the embedded target's 33
+one-row projections in 1.19 ms against MKL's 2.11 ms, yet the whole one-token forward took
+4.27 ms with it against 4.12 ms without (AMD EPYC, one thread).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from dspark_launch import disk_cache
+from dspark_launch.comm import broadcast_object
+from dspark_launch.engine.warmup import profile_forward
+from dspark_launch.errors import ConfigError
+from dspark_launch.log import logger
+from dspark_launch.models.layers import PackPlan, pack_model, unpack_model
+from dspark_launch.models.layers.gemm import NEVER
+from dspark_launch.parallel import get_parallel
+
+MODES = ("auto", "torch", "onednn")
+POINTS = (1, 2, 4, 8, 16, 64)  # token counts timed (those the pools can hold)
+REPEATS = 3  # timed forwards per kernel and count (after one warm-up each), alternating
+MARGIN = 0.03  # the packed kernel must be this much faster (ties keep torch's: no copy)
+VERSION = 1  # of the cached file
+
+
+def from_rows(times: dict[int, tuple[float, float]], margin: float = MARGIN) -> int:
+    """(torch seconds, packed seconds) per token count -> the smallest count from which the
+    packed kernel is faster by `margin` at every count measured (NEVER: at none)."""
+    chosen = NEVER
+    for n in sorted(times, reverse=True):
+        plain, packed = times[n]
+        if not packed < plain * (1 - margin):
+            break
+        chosen = n
+    return chosen
+
+
+def measure(run: Callable[[int], None], plan: PackPlan, points: Sequence[int],
+            repeats: int = REPEATS, clock: Callable[[], float] = time.perf_counter
+            ) -> dict[int, tuple[float, float]]:
+    """Time run(n) on each kernel: one warm-up each, then `repeats` alternating pairs; the
+    fastest of each (a shared machine's noise only ever adds time). The number of forwards
+    is fixed, so every rank runs the same collectives."""
+    times = {}
+    for n in points:
+        runs: dict[int, list[float]] = {NEVER: [], 1: []}
+        for rows in runs:  # warm-up: first-touch allocations, oneDNN's primitive cache
+            plan.from_rows = rows
+            run(n)
+        for _ in range(repeats):
+            for rows, took in runs.items():
+                plan.from_rows = rows
+                t0 = clock()
+                run(n)
+                took.append(clock() - t0)
+        times[n] = (min(runs[NEVER]), min(runs[1]))
+    return times
+
+
+def choose_gemm(engine, mode: str, clock: Callable[[], float] = time.perf_counter
+                ) -> tuple[int, str]:
+    """Pack the engine's models and set their shared plan, on every rank ->
+    (the plan's from_rows, where it came from: 'torch', 'onednn', 'cache' or 'measured')."""
+    if mode not in MODES:
+        raise ConfigError(f"--cpu-gemm={mode!r}: expected one of {', '.join(MODES)}")
+    models = [engine.target] + ([engine.proposer.draft]
+                                if getattr(engine.proposer, "draft", None) is not None else [])
+    if mode == "torch":
+        return NEVER, "torch"
+    plan = PackPlan()
+    packed = sum(pack_model(model, plan) for model in models)
+    if not packed:
+        if mode == "onednn":
+            raise ConfigError(
+                f"--cpu-gemm onednn packs CPU weights in float32 or bfloat16 with a torch built "
+                f"with oneDNN (available: {torch.backends.mkldnn.is_available()}); this run's "
+                f"are {engine.target.dtype} on {engine.device}; use --cpu-gemm auto or torch")
+        return NEVER, "torch"
+    if mode == "onednn":
+        plan.from_rows = 1
+        return 1, "onednn"
+    rows, source = _measured(engine, plan, clock)
+    plan.from_rows = rows
+    if rows == NEVER:
+        for model in models:
+            unpack_model(model)
+    return rows, source
+
+
+def _measured(engine, plan: PackPlan, clock: Callable[[], float]) -> tuple[int, str]:
+    state = get_parallel()
+    # Every count, whatever the batch: prefill chunks forward many rows at batch 1 too.
+    points = [n for n in POINTS if n <= engine.space.num_free_tokens] or [1]
+    c = engine.target.config
+    machine = {"version": VERSION, "device": disk_cache.device_name(engine.device),
+               "torch": torch.__version__, "threads": torch.get_num_threads(),
+               "world": state.world_size, "tp": state.tp_size, "attn_dp": state.attn_dp_size,
+               "dtype": str(engine.target.dtype), "block": 1 + engine.proposer.max_drafts,
+               "model": [c.num_hidden_layers, c.hidden_size, c.intermediate_size,
+                         c.vocab_size, c.num_attention_heads, c.num_key_value_heads,
+                         c.head_dim], "points": points}
+    directory, key = disk_cache.cache_dir("gemm"), disk_cache.cache_key(machine)
+    cached = broadcast_object(disk_cache.read_json(directory, key) if state.rank == 0 else None)
+    if cached is not None and "from_rows" in cached:
+        return int(cached["from_rows"]), "cache"
+
+    def run(n: int) -> None:  # decode blocks, in as many requests as the batch may hold
+        block = max(1 + engine.proposer.max_drafts, -(-n // engine.limits.max_running))
+        engine.target.greedy(profile_forward(engine, n, block))
+
+    times = broadcast_object(measure(run, plan, points, clock=clock))
+    rows = from_rows(times)
+    if state.rank == 0:
+        disk_cache.write_json(directory, key, {
+            "from_rows": rows, "machine": machine,
+            "ms": {n: [round(1e3 * s, 4) for s in pair] for n, pair in times.items()}})
+        logger.info("cpu gemm: %s", ", ".join(
+            f"{n} tokens torch {1e3 * a:.2f} / onednn {1e3 * b:.2f} ms"
+            for n, (a, b) in times.items()))
+    return rows, "measured"

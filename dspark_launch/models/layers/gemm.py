@@ -1,0 +1,90 @@
+"""Dense projections on CPU: torch's default GEMM (MKL) or oneDNN with pre-packed weights.
+
+Why two: on an AMD EPYC (Zen 4, one thread, fp32) MKL's GEMM for a few rows is slow. The
+embedded target's forward took 4.22 ms at 1 token either way (oneDNN 4.51 ms), but 5.64 ms
+at 9 tokens (a DSpark verify at batch 1) against oneDNN's 4.93 ms, and 6.83 ms against 6.00 ms
+at 16. So the verify rows speculation adds cost more than they need to, and plain decoding at
+batch 16 or 64 runs slower too. Which kernel wins, and from how many rows, is the machine's
+(MKL takes another path on Intel CPUs), so the engine measures it at start-up
+(engine/gemm_choice.py) and every packed layer of a model shares that choice (PackPlan).
+
+A layer keeps its plain weight (loaders fill it; inputs below the plan's row count, and every
+device but the CPU, use it) and, once packed, a copy in oneDNN's blocked layout.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+NEVER = sys.maxsize  # PackPlan.from_rows that keeps every input on the plain kernel
+
+
+@dataclass
+class PackPlan:
+    """Inputs of at least `from_rows` rows take the packed kernel; shared by a model's layers
+    so that one assignment switches them all (the start-up measurement does)."""
+
+    from_rows: int = NEVER
+
+
+@dataclass(frozen=True)
+class Packed:
+    weight: torch.Tensor  # the layer's weight in oneDNN's layout
+    plan: PackPlan
+
+
+def packable(weight: torch.Tensor) -> bool:
+    """oneDNN packs CPU fp32 / bf16 matrices (on other devices the plain kernel is the
+    device's own)."""
+    return (weight.device.type == "cpu" and weight.dim() == 2
+            and weight.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available())
+
+
+def pack(weight: torch.Tensor, plan: PackPlan) -> Packed | None:
+    """weight [out, in] -> its packed copy (None where oneDNN cannot take it)."""
+    if not packable(weight):
+        return None
+    # The batch-size hint only picks the blocked layout; every row count runs on it.
+    blocked = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 16)
+    return Packed(blocked, plan)
+
+
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: Packed | None = None) -> torch.Tensor:
+    """x [N, in] -> x weight^T + bias [N, out], on the packed kernel from the plan's rows."""
+    if packed is not None and x.shape[0] >= packed.plan.from_rows:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed.weight, bias, "none",
+                                                  [], "")
+    return F.linear(x, weight, bias)
+
+
+class Packs:
+    """A layer whose 2-D `weight` is projected through dense(x, weight, bias, self.packed)."""
+
+    packed: Packed | None = None
+
+    def pack(self, plan: PackPlan) -> int:
+        self.packed = pack(self.weight, plan)
+        return int(self.packed is not None)
+
+    def unpack(self) -> None:
+        self.packed = None
+
+
+def pack_model(model: nn.Module, plan: PackPlan) -> int:
+    """Pack every layer of `model` that projects through dense() (their `pack` method);
+    -> how many packed copies were made."""
+    return sum(module.pack(plan) for module in model.modules() if hasattr(module, "pack"))
+
+
+def unpack_model(model: nn.Module) -> None:
+    """Drop every packed copy (the plain kernel won everywhere: no second copy kept)."""
+    for module in model.modules():
+        if hasattr(module, "pack"):
+            module.unpack()

@@ -1,0 +1,115 @@
+"""The engine's CPU GEMM choice (engine/gemm_choice.py) on real engines and gloo worlds: every
+rank takes rank 0's measurement, a second build reads it from the cache, each mode packs what
+it says, speculative greedy outputs on packed weights equal plain greedy decoding, and a mode
+that cannot apply is refused by name.
+
+Oracles: plain greedy decoding (tests/jobs.reference: NONE, tp1); a clock whose reading per
+kernel is known, for the agreement across ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from jobs import (
+    Arrival,
+    drive,
+    engine_args,
+    final_outputs,
+    random_prompts,
+    reference,
+    spec,
+    write_prompts,
+)
+from multirank import run_world
+
+from dspark_launch.models.layers.gemm import NEVER
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                reason="torch without oneDNN")
+
+
+def _packed_layers(engine) -> set[int | None]:
+    """The plans' row counts over every packable layer of the target (None: not packed)."""
+    return {m.packed.plan.from_rows if m.packed is not None else None
+            for m in engine.target.modules() if hasattr(m, "packed")}
+
+
+def _choose_rank(rank: int, args, cache: str) -> dict:
+    """Build with torch's GEMM, then choose 'auto' with a clock under which the packed kernel
+    is faster on rank 0 and slower on every other rank; then again (from the cache), and the
+    other modes."""
+    import os
+
+    from dspark_launch.args import RunConfig
+    from dspark_launch.engine.build import build_engine
+    from dspark_launch.engine.gemm_choice import choose_gemm
+    from dspark_launch.parallel import get_parallel, init_parallel_runtime
+
+    os.environ["DSPARK_CACHE_DIR"] = cache
+    init_parallel_runtime(RunConfig(tp_size=int(os.environ["WORLD_SIZE"]), device="cpu"))
+    engine = build_engine(args)
+    out = {"built": (engine.gemm_from_rows, _packed_layers(engine))}
+    head = engine.target.lm_head
+    now = [0.0]
+
+    def clock() -> float:  # each reading advances by what the current kernel costs here
+        packed = head.packed is not None and head.packed.plan.from_rows < NEVER
+        now[0] += (1.0 if get_parallel().rank == 0 else 3.0) if packed else 2.0
+        return now[0]
+
+    out["auto"] = choose_gemm(engine, "auto", clock)
+    out["auto_layers"] = _packed_layers(engine)
+    out["again"] = choose_gemm(engine, "auto", clock)
+    out["onednn"] = choose_gemm(engine, "onednn")
+    out["torch"] = choose_gemm(engine, "torch")
+    engine.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_every_rank_takes_rank_0s_measurement_and_the_cache_keeps_it(tiny, tmp_path, world):
+    args = engine_args(tiny, "DSPARK", tiny.dspark(4), cpu_gemm="torch")
+    results = run_world(world, _choose_rank, args, str(tmp_path / "cache"), timeout=120)
+    for r in results:
+        assert r["built"] == (NEVER, {None})  # torch: nothing packed
+        assert r["auto"] == (1, "measured")  # rank 0's clock: packed is faster everywhere
+        assert r["auto_layers"] == {1}
+        assert r["again"] == (1, "cache")
+        assert r["onednn"] == (1, "onednn")
+        assert r["torch"] == (NEVER, "torch")
+    assert len(list((tmp_path / "cache" / "gemm").glob("*.json"))) == 1
+
+
+def test_a_mode_that_cannot_apply_is_refused(tiny):
+    from dspark_launch.engine.gemm_choice import choose_gemm
+    from dspark_launch.errors import ConfigError
+
+    class Half:  # an engine whose weights oneDNN does not pack (fp16)
+        target = torch.nn.Linear(4, 4).half()
+        target.dtype, target.packed = torch.float16, None
+        proposer, device = None, torch.device("cpu")
+
+    with pytest.raises(ConfigError, match="--cpu-gemm onednn packs CPU weights in float32 or "
+                                          "bfloat16.*float16 on cpu.*--cpu-gemm auto or torch"):
+        choose_gemm(Half(), "onednn")
+    with pytest.raises(ConfigError, match="--cpu-gemm='fast': expected one of auto, torch, "
+                                          "onednn"):
+        choose_gemm(Half(), "fast")
+    assert choose_gemm(Half(), "auto") == (NEVER, "torch")
+
+
+@pytest.mark.parametrize("world,algorithm", [(1, "DSPARK"), (2, "DFLASH")])
+def test_speculation_on_packed_weights_equals_plain_greedy(tiny, tmp_path, world, algorithm):
+    """Every projection on oneDNN from one row (target and draft, verify and draft blocks):
+    greedy outputs as plain greedy decoding's on torch's default GEMM path."""
+    prompts = random_prompts(8, [3, 17, 1, 9, 24, 5, 12, 2], seed=5)
+    path = write_prompts(tmp_path / "p.jsonl", [{"input_ids": p} for p in prompts])
+    ref = reference(tiny, path, 16)
+    draft = tiny.dspark(4) if algorithm == "DSPARK" else tiny.dflash(4)
+    args = engine_args(tiny, algorithm, draft, cpu_gemm="onednn", speculative_policy="fixed")
+    results = drive(args, [Arrival(0, spec(i, p, max_tokens=16, temperature=0.0)) for i, p in
+                           enumerate(prompts)], world=world)
+    final = final_outputs(results[0])
+    assert [list(final[f"r{i}"].output_ids) for i in range(len(prompts))] == ref
+    assert sum(sum(o.accept_lens) for o in final.values()) > len(prompts)  # drafts accepted

@@ -1,0 +1,122 @@
+"""CPU projections on torch's GEMM or oneDNN's packed weights (models/layers/gemm.py) and the
+start-up choice between them (engine/gemm_choice.py).
+
+Oracles: fp64 torch for the products, HF transformers for a packed model, closed-form
+arithmetic for the threshold, a fake forward whose cost per kernel is known for the measurement.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints import load_hf, write_checkpoint
+from model_runner import generate
+
+from dspark_launch.engine.gemm_choice import from_rows, measure
+from dspark_launch.models.layers import PackPlan, dense, pack, pack_model, unpack_model
+from dspark_launch.models.layers.gemm import NEVER
+from dspark_launch.models.loader import load_model
+from dspark_launch.parallel import override_parallel
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                reason="torch without oneDNN")
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rows", [0, 1, 3, 17, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_both_kernels_match_fp64(dtype, tol, rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 40, generator=g).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype) if bias else None
+    x = torch.randn(rows, 40, generator=g).to(dtype)
+    want = x.double() @ weight.double().t() + (b.double() if bias else 0)
+    plan = PackPlan()
+    packed = pack(weight, plan)
+    assert packed is not None
+    for plan.from_rows in (1, NEVER):
+        got = dense(x, weight, b, packed)
+        assert got.shape == (rows, 96) and got.dtype == dtype
+        torch.testing.assert_close(got.double(), want, atol=tol * 10, rtol=tol)
+
+
+def test_packed_kernel_serves_rows_from_the_plans_count():
+    """The packed copy is taken at the plan's row count and above, the plain weight below:
+    after the plain weight changes, each row count follows the copy it reads."""
+    weight = torch.randn(64, 32)
+    plan = PackPlan(from_rows=4)
+    packed = pack(weight, plan)
+    old = weight.clone()
+    weight.mul_(2.0)
+    for rows in (1, 3, 4, 9):
+        x = torch.randn(rows, 32)
+        expect = old if rows >= 4 else weight
+        torch.testing.assert_close(dense(x, weight, None, packed), x @ expect.t(),
+                                   atol=1e-4, rtol=1e-4)
+    x = torch.randn(32, 9).t()  # a transposed (non-contiguous) input
+    torch.testing.assert_close(dense(x, weight, None, packed), x @ old.t(), atol=1e-4,
+                               rtol=1e-4)
+
+
+def test_only_cpu_fp32_and_bf16_matrices_are_packed():
+    assert pack(torch.randn(8, 8, dtype=torch.float16), PackPlan()) is None
+    assert pack(torch.randn(8), PackPlan()) is None
+    assert pack(torch.randn(8, 8, dtype=torch.bfloat16), PackPlan()) is not None
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_packed_model_matches_hf(tmp_path, tied):
+    """Every projection packed (embedding-tied LM head too): prefill logits and 24 greedy
+    tokens as HF's; unpacked again, the model keeps no copy and still matches."""
+    ckpt = write_checkpoint(tmp_path / "ckpt", arch="qwen3", num_kv_heads=2, tied=tied,
+                            attention_bias=True)
+    hf = load_hf(ckpt)
+    prompts = [[5, 17, 99, 3, 42, 7, 8], [11], list(range(60, 73))]
+    with override_parallel(1):
+        model = load_model(ckpt, "float32")
+        plan = PackPlan(from_rows=1)
+        layers = 4 * model.config.num_hidden_layers + 1  # qkv, o, gate_up, down; LM head
+        assert pack_model(model, plan) == layers
+        tokens, prefill = generate(model, prompts, 24)
+        unpack_model(model)
+        assert all(getattr(m, "packed", None) is None for m in model.modules())
+        again, _ = generate(model, prompts, 24)
+    assert tokens == again
+    for prompt, got, toks in zip(prompts, prefill, tokens):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            torch.testing.assert_close(got, hf(ids).logits[0], atol=1e-4, rtol=1e-4)
+            want = hf.generate(ids, max_new_tokens=24, do_sample=False)[0, len(prompt):]
+        assert toks == want.tolist()
+
+
+@pytest.mark.parametrize("times,want", [
+    ({1: (4.2, 4.5), 2: (4.8, 5.0), 4: (5.2, 4.5), 8: (5.6, 4.9), 64: (12.6, 11.6)}, 4),
+    ({1: (4.0, 3.0), 2: (4.0, 3.0), 4: (4.0, 3.0)}, 1),
+    ({1: (4.0, 3.0), 2: (4.0, 4.5), 4: (4.0, 3.0)}, 4),  # only a run up to the top counts
+    ({1: (4.0, 3.0), 8: (4.0, 4.0)}, NEVER),  # the largest count must win too
+    ({1: (4.0, 3.9), 8: (4.0, 3.9)}, NEVER),  # 2.5% faster: within the margin, a tie
+])
+def test_threshold_is_the_start_of_the_packed_kernels_winning_run(times, want):
+    assert from_rows(times) == want
+
+
+def test_measure_times_each_kernel_alternately_and_keeps_the_fastest():
+    """A fake forward whose cost per kernel and count is known (the oracle), plus one stall:
+    the minimum of each is that cost, and the forwards' number is fixed."""
+    cost = {(n, packed): (1.0 + n) * (0.5 if packed and n >= 4 else 1.0)
+            for n in (1, 4, 16) for packed in (False, True)}
+    now = [0.0]
+    calls: list[tuple[int, bool]] = []
+    plan = PackPlan()
+
+    def run(n: int) -> None:
+        packed = plan.from_rows <= n
+        calls.append((n, packed))
+        now[0] += cost[n, packed] + (50.0 if len(calls) == 9 else 0.0)  # a stall
+
+    times = measure(run, plan, [1, 4, 16], repeats=3, clock=lambda: now[0])
+    assert len(calls) == 3 * (2 + 2 * 3)
+    assert calls[2:8] == [(1, False), (1, True)] * 3  # alternating after the warm-ups
+    assert times == {n: (cost[n, False], cost[n, True]) for n in (1, 4, 16)}
+    assert from_rows(times) == 4
