@@ -1,12 +1,12 @@
 """Dense projections on CPU: torch's default GEMM (MKL) or oneDNN with pre-packed weights.
 
-Why two: on an AMD EPYC (Zen 4, one thread, fp32) MKL's GEMM for a few rows is slow. The
-embedded target's forward took 4.22 ms at 1 token either way (oneDNN 4.51 ms), but 5.64 ms
-at 9 tokens (a DSpark verify at batch 1) against oneDNN's 4.93 ms, and 6.83 ms against 6.00 ms
-at 16. So the verify rows speculation adds cost more than they need to, and plain decoding at
-batch 16 or 64 runs slower too. Which kernel wins, and from how many rows, is the machine's
-(MKL takes another path on Intel CPUs), so the engine measures it at start-up
-(engine/gemm_choice.py) and every packed layer of a model shares that choice (PackPlan).
+Why two: on an AMD EPYC (Zen 4, one thread, fp32) MKL's GEMM for a few rows is slow, and a
+verify's rows paid for it. The engine's own start-up timings of the embedded target's forward
+plus its LM head (engine/gemm_choice.py; torch / oneDNN, ms): 1 token 4.58 / 5.18, 4 tokens
+6.08 / 5.35, 16 tokens 7.29 / 6.37, 64 tokens 13.44 / 11.90. So oneDNN takes the verify
+blocks, batches and prefill chunks, and MKL keeps single-token decoding. Which kernel wins,
+and from how many rows, is the CPU's (and its MKL code path's), so the engine measures it at
+start-up and every packed layer of a model shares that choice (PackPlan).
 
 A layer keeps its plain weight (loaders fill it; inputs below the plan's row count, and every
 device but the CPU, use it) and, once packed, a copy in oneDNN's blocked layout.
