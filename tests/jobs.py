@@ -32,7 +32,10 @@ VOCAB = TARGET["vocab_size"]
 EOS = 1  # write_checkpoint's eos_token_id
 # A big enough pool that nothing waits: the reference and the spec tests.
 AMPLE = ["--kv-cache-memory", "64MiB", "--max-total-tokens", "4096"]
-QUIET = ["--log-level", "WARNING", "--device", "cpu"]
+# torch's GEMM: outputs compared across topologies and against references then round alike
+# whatever each run's start-up timing chose (tests/engine/test_gemm_choice.py and
+# tests/models/test_gemm.py run the packed kernel)
+QUIET = ["--log-level", "WARNING", "--device", "cpu", "--cpu-gemm", "torch"]
 
 
 @dataclass(frozen=True)
@@ -471,6 +474,7 @@ def engine_args(a: Assets, algorithm: str, draft: Path | None = None, model: Pat
     from dspark_launch.engine.build import EngineArgs
 
     kw.setdefault("speculative_policy", "fixed")  # as model_args
+    kw.setdefault("cpu_gemm", "torch")  # as QUIET
     return EngineArgs(model=str(model or a.target), speculative_algorithm=algorithm,
                       draft=None if draft is None else str(draft),
                       kv_cache_memory=64 * 2**20, max_total_tokens=4096, **kw)

@@ -201,8 +201,8 @@ def build_engine(args: EngineArgs) -> Engine:
         mixed_chunk=not args.disable_mixed_chunk)
     engine = Engine(target, proposer, memory, backend, limits, load_tokenizer(ckpt.model))
     # Before the cost curve: it times the forward on the kernel chosen here.
-    engine.gemm_from_rows, gemm_source = choose_gemm(engine, args.cpu_gemm)
-    if state.rank == 0:
+    _, gemm_source = choose_gemm(engine, args.cpu_gemm)
+    if state.rank == 0 and device.type == "cpu":
         logger.info("cpu gemm: %s (%s)", "torch's" if engine.gemm_from_rows == NEVER else
                     f"oneDNN, packed weights, from {engine.gemm_from_rows} rows", gemm_source)
     engine.checkpoints = ckpt

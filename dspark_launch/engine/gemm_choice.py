@@ -1,7 +1,8 @@
 """The run's CPU GEMM (models/layers/gemm.py): torch's default, or oneDNN's packed weights from
 some row count up, chosen by timing the real forward at start-up.
 
-`--cpu-gemm auto` packs every projection of the target and the draft, then times the target
+`--cpu-gemm auto` packs every projection of the target and the draft (unless the copies
+would take more than RAM_SHARE of MemAvailable on some rank), then times the target
 forward plus its greedy LM head (engine/warmup.py: profile_forward, shaped like a decode step)
 at a few token counts with each kernel, alternating, the fastest of REPEATS each. The packed
 kernel takes over from the smallest count at which it was faster by MARGIN there and at every
@@ -9,9 +10,10 @@ larger count measured; where it never was, the packed copies are dropped. The in
 0's timings, so every rank (and every rank of an attention-TP group, whose replicated parts
 must round alike) takes the same choice; it is cached per machine like the cost curve.
 
-Measured in the model, not on the projections alone: alone, oneDNN ran the embedded target's
-33 one-row projections in 1.19 ms against MKL's 2.11 ms, yet the whole one-token forward took
-4.27 ms with it against 4.12 ms without (AMD EPYC, one thread). Counts 2 and 3 are not timed:
+Measured in the model, not on the projections alone: in one scratch run (AMD EPYC, one
+thread, min of 15) oneDNN ran the embedded target's 33 one-row projections alone in 1.19 ms
+against MKL's 2.11 ms, yet the whole one-token forward took 4.27 ms with it against 4.12 ms
+without. Counts 2 and 3 are not timed:
 there the two tied (5.05 / 5.01 ms at 2 tokens), and each count costs 2 + 2 x REPEATS forwards
 on every rank at start-up.
 """
@@ -24,11 +26,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from dspark_launch import disk_cache
-from dspark_launch.comm import broadcast_object
+from dspark_launch.comm import all_gather_object, broadcast_object
 from dspark_launch.engine.warmup import profile_forward
 from dspark_launch.errors import ConfigError
 from dspark_launch.log import logger
-from dspark_launch.models.layers import PackPlan, pack_model, unpack_model
+from dspark_launch.memory.budget import mem_available_bytes
+from dspark_launch.models.layers import PackPlan, pack_model, packable_bytes, unpack_model
 from dspark_launch.models.layers.gemm import NEVER
 from dspark_launch.parallel import get_parallel
 
@@ -37,6 +40,10 @@ POINTS = (1, 4, 16, 64)  # token counts timed (those the pools can hold): 2 and 
 REPEATS = 3  # timed forwards per kernel and count (after one warm-up each), alternating
 MARGIN = 0.03  # the packed kernel must be this much faster (ties keep torch's: no copy)
 VERSION = 1  # of the cached file
+# auto packs nothing when the copies would take more than this share of MemAvailable on some
+# rank: they are outside the KV budget (memory/budget.py leaves the RAM it does not share
+# out to the weights), and a model that fits once must not fail at start-up for a faster GEMM.
+RAM_SHARE = 0.2
 
 
 def from_rows(times: dict[int, tuple[float, float]], margin: float = MARGIN) -> int:
@@ -75,56 +82,89 @@ def measure(run: Callable[[int], None], plan: PackPlan, points: Sequence[int],
 
 def choose_gemm(engine, mode: str, clock: Callable[[], float] = time.perf_counter
                 ) -> tuple[int, str]:
-    """Pack the engine's models and set their shared plan, on every rank ->
-    (the plan's from_rows, where it came from: 'torch', 'onednn', 'cache' or 'measured')."""
+    """Pack the engine's models (dropping any earlier copies) and set their shared plan and
+    engine.gemm_from_rows, on every rank -> (from_rows, where it came from: 'torch',
+    'onednn', 'cache', 'measured' or 'memory')."""
     if mode not in MODES:
         raise ConfigError(f"--cpu-gemm={mode!r}: expected one of {', '.join(MODES)}")
     models = [engine.target] + ([engine.proposer.draft]
                                 if getattr(engine.proposer, "draft", None) is not None else [])
-    if mode == "torch":
-        return NEVER, "torch"
-    plan = PackPlan()
-    packed = sum(pack_model(model, plan) for model in models)
-    if not packed:
-        if mode == "onednn":
-            raise ConfigError(
-                f"--cpu-gemm onednn packs CPU weights in float32 or bfloat16 with a torch built "
-                f"with oneDNN (available: {torch.backends.mkldnn.is_available()}); this run's "
-                f"are {engine.target.dtype} on {engine.device}; use --cpu-gemm auto or torch")
-        return NEVER, "torch"
-    if mode == "onednn":
-        plan.from_rows = 1
-        return 1, "onednn"
-    rows, source = _measured(engine, plan, clock)
-    plan.from_rows = rows
+    for model in models:
+        unpack_model(model)
+    rows, source = _choose(engine, mode, models, clock)
     if rows == NEVER:
         for model in models:
             unpack_model(model)
+    engine.gemm_from_rows = rows
     return rows, source
 
 
+def _choose(engine, mode: str, models: list, clock: Callable[[], float]) -> tuple[int, str]:
+    if mode == "torch":
+        return NEVER, "torch"
+    copy = sum(packable_bytes(model) for model in models)
+    if not copy:
+        if mode == "onednn":
+            raise ConfigError(
+                f"--cpu-gemm onednn packs CPU weights in float32 (or bfloat16 on a CPU with "
+                f"bf16 instructions) with a torch built with oneDNN (available: "
+                f"{torch.backends.mkldnn.is_available()}); this run's are "
+                f"{engine.target.dtype} on {engine.device}; use --cpu-gemm auto or torch")
+        return NEVER, "torch"
+    if mode == "auto" and any(all_gather_object(copy > RAM_SHARE * mem_available_bytes())):
+        # The copy is outside every budget: a model this large keeps torch's kernel.
+        return NEVER, "memory"
+    plan = PackPlan()
+    for model in models:
+        pack_model(model, plan)
+    if mode == "onednn":
+        plan.from_rows = 1
+        return 1, "onednn"
+    plan.from_rows, source = _measured(engine, plan, clock)
+    return plan.from_rows, source
+
+
+def _points(engine) -> list[int]:
+    """The counts a decode-shaped forward can lay out: in at most max_running requests of one
+    block each, within a request's context and the free pages (every count, whatever the
+    batch: prefill chunks forward many rows at batch 1 too)."""
+    space, out = engine.space, []
+    for n in POINTS:
+        block = _block(engine, n)
+        pages = -(-n // block) * -(-block // space.page_size)
+        if block <= space.max_context_len and pages <= space.allocator.num_free_pages:
+            out.append(n)
+    return out or [1]
+
+
+def _block(engine, n: int) -> int:
+    """Tokens per request of an n-token measuring forward: verify blocks, in as many requests
+    as the batch may hold."""
+    return max(1 + engine.proposer.max_drafts, -(-n // engine.limits.max_running))
+
+
 def _measured(engine, plan: PackPlan, clock: Callable[[], float]) -> tuple[int, str]:
+    """from_rows for this machine: rank 0's cached choice ('cache'), or every rank's forwards
+    timed and rank 0's timings taken ('measured')."""
     state = get_parallel()
-    # Every count, whatever the batch: prefill chunks forward many rows at batch 1 too.
-    points = [n for n in POINTS if n <= engine.space.num_free_tokens] or [1]
+    points = _points(engine)
     c = engine.target.config
     # No drafter in the key: which kernel wins is the target's rows', so every engine of a
     # machine, topology and target takes one choice (a benchmark's engines compare alike).
     machine = {"version": VERSION, "device": disk_cache.device_name(engine.device),
                "torch": torch.__version__, "threads": torch.get_num_threads(),
                "world": state.world_size, "tp": state.tp_size, "attn_dp": state.attn_dp_size,
-               "dtype": str(engine.target.dtype),
+               "dtype": str(engine.target.dtype), "attention": engine.backend.name,
                "model": [c.num_hidden_layers, c.hidden_size, c.intermediate_size,
                          c.vocab_size, c.num_attention_heads, c.num_key_value_heads,
                          c.head_dim], "points": points}
     directory, key = disk_cache.cache_dir("gemm"), disk_cache.cache_key(machine)
-    cached = broadcast_object(disk_cache.read_json(directory, key) if state.rank == 0 else None)
-    if cached is not None and "from_rows" in cached:
-        return int(cached["from_rows"]), "cache"
+    cached = broadcast_object(_cached_rows(directory, key) if state.rank == 0 else None)
+    if cached is not None:
+        return cached, "cache"
 
-    def run(n: int) -> None:  # decode blocks, in as many requests as the batch may hold
-        block = max(1 + engine.proposer.max_drafts, -(-n // engine.limits.max_running))
-        engine.target.greedy(profile_forward(engine, n, block))
+    def run(n: int) -> None:
+        engine.target.greedy(profile_forward(engine, n, _block(engine, n)))
 
     times = broadcast_object(measure(run, plan, points, clock=clock))
     rows = from_rows(times)
@@ -136,3 +176,10 @@ def _measured(engine, plan: PackPlan, clock: Callable[[], float]) -> tuple[int, 
             f"{n} tokens torch {1e3 * a:.2f} / onednn {1e3 * b:.2f} ms"
             for n, (a, b) in times.items()))
     return rows, "measured"
+
+
+def _cached_rows(directory, key: str) -> int | None:
+    """A stored from_rows, if it is one (a count >= 1, or NEVER); else None: measure again."""
+    data = disk_cache.read_json(directory, key)
+    rows = None if data is None else data.get("from_rows")
+    return rows if isinstance(rows, int) and not isinstance(rows, bool) and rows >= 1 else None

@@ -30,7 +30,8 @@ from dspark_launch.parallel import get_parallel
 
 GIB = 1024**3
 # CPU default: ranks of a node share this fraction of MemAvailable. 30% leaves room for
-# both models' weights, activations and the OS; pass --kv-cache-memory to choose exactly.
+# both models' weights (and the projections' packed copies, engine/gemm_choice.py: at most
+# 20% of MemAvailable), activations and the OS; pass --kv-cache-memory to choose exactly.
 CPU_RAM_SHARE = 0.30
 
 

@@ -24,21 +24,18 @@ from .decoder import MLP, Attention
 from .draft_config import DraftConfig
 from .layers import (
     ColumnParallelLinear,
-    Packed,
-    PackPlan,
+    Packs,
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
     dense,
-    pack,
 )
 
 
-class DraftLayer(nn.Module):
+class DraftLayer(Packs, nn.Module):
     def __init__(self, cfg: DraftConfig, dtype: torch.dtype, device: torch.device | str,
                  layer_id: int) -> None:
         super().__init__()
-        self.kv_packed: Packed | None = None  # pack()
         # The target's attention block: same qkv/o sharding over attn_tp, same q/k norms.
         self.self_attn = Attention(cfg.layer_config(), dtype, device, layer_id)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device, over_attn_tp=True)
@@ -56,7 +53,7 @@ class DraftLayer(nn.Module):
         qkv = attn.qkv_proj
         n, hd = c.shape[0], attn.head_dim
         kv_b = None if qkv.bias is None else qkv.bias[qkv.q_size:]
-        k, v = dense(c, self._kv_weight, kv_b, self.kv_packed).split(
+        k, v = dense(c, self._kv_weight, kv_b, self.packed).split(
             [qkv.kv_size, qkv.kv_size], dim=-1)
         k, v = k.reshape(n, -1, hd), v.reshape(n, -1, hd)
         if attn.k_norm is not None:
@@ -68,13 +65,10 @@ class DraftLayer(nn.Module):
         qkv = self.self_attn.qkv_proj
         return qkv.weight[qkv.q_size:]
 
-    def pack(self, plan: PackPlan) -> int:
-        """The context's k/v projection gets a packed copy of its own (gemm.py)."""
-        self.kv_packed = pack(self._kv_weight, plan)
-        return int(self.kv_packed is not None)
-
-    def unpack(self) -> None:
-        self.kv_packed = None
+    def pack_source(self) -> torch.Tensor:
+        """The context's k/v projection gets a packed copy of its own (gemm.py): its rows
+        are packed twice, here and in qkv_proj's copy (the block's projection)."""
+        return self._kv_weight
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [T, d]
         h = x + self.self_attn(self.input_layernorm(x), ctx)

@@ -30,11 +30,11 @@ from .layers import ColumnParallelLinear, new_param
 
 class _HeadLinear(ColumnParallelLinear):
     """A small replicated projection of the heads (one shard: a plain Linear whose loader still
-    checks the checkpoint's full shape). The heads read its weight in fp32 math, never through
-    forward(), so it keeps no packed copy (gemm.py)."""
+    checks the checkpoint's full shape). The heads read its weight, never through forward(),
+    so it keeps no packed copy (gemm.py)."""
 
-    def pack(self, plan) -> int:
-        return 0
+    def pack_source(self) -> None:
+        return None
 
 
 def _replicated_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,

@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 
 from dspark_launch import disk_cache
-from dspark_launch.disk_cache import cache_key
 
 CURVE_VERSION = 2  # 2: a slow point is lowered to the next one's time (profile()); curves
 # cached before, which raised later points to a slow one, are profiled again
@@ -252,7 +251,7 @@ def profiled_curve(
         return CostCurve.flat(points), "off"
     if mode != "auto":
         raise ValueError(f"--profile-cost-curve={mode}: expected 'off' or 'auto'")
-    key = cache_key({**machine, "points": list(points)})
+    key = disk_cache.cache_key({**machine, "points": list(points)})
     cached = agree(load_cached(key, directory))
     if cached is not None:
         return cached, "cache"

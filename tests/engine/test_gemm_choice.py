@@ -62,9 +62,22 @@ def _choose_rank(rank: int, args, cache: str) -> dict:
     out["auto_layers"] = _packed_layers(engine)
     out["again"] = choose_gemm(engine, "auto", clock)
     out["onednn"] = choose_gemm(engine, "onednn")
+    out["onednn_layers"] = _packed_layers(engine)
+    out["draft_packed"] = _draft_packed(engine)
     out["torch"] = choose_gemm(engine, "torch")
+    out["torch_layers"] = _packed_layers(engine) | _draft_packed(engine)
+    out["field"] = engine.gemm_from_rows
     engine.shutdown()
     return out
+
+
+def _draft_packed(engine) -> set[bool]:
+    """Whether each of the draft's projections (its layer's context k/v included) holds a
+    packed copy."""
+    from dspark_launch.models.layers import Packs
+
+    return {m.packed is not None for m in engine.proposer.draft.modules()
+            if isinstance(m, Packs) and m.pack_source() is not None}
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -76,27 +89,67 @@ def test_every_rank_takes_rank_0s_measurement_and_the_cache_keeps_it(tiny, tmp_p
         assert r["auto"] == (1, "measured")  # rank 0's clock: packed is faster everywhere
         assert r["auto_layers"] == {1}
         assert r["again"] == (1, "cache")
-        assert r["onednn"] == (1, "onednn")
+        assert r["onednn"] == (1, "onednn") and r["onednn_layers"] == {1}
+        assert r["draft_packed"] == {True}
         assert r["torch"] == (NEVER, "torch")
+        assert r["torch_layers"] == {None, False}  # the earlier copies are dropped
+        assert r["field"] == NEVER
     assert len(list((tmp_path / "cache" / "gemm").glob("*.json"))) == 1
 
 
-def test_a_mode_that_cannot_apply_is_refused(tiny):
+def _slower_rank(rank: int, args, cache: str) -> dict:
+    """'auto' under a clock by which the packed kernel is slower on rank 0 (faster elsewhere):
+    no copy is kept, in the target or the draft."""
+    import os
+
+    from dspark_launch.args import RunConfig
+    from dspark_launch.engine.build import build_engine
+    from dspark_launch.engine.gemm_choice import choose_gemm
+    from dspark_launch.parallel import get_parallel, init_parallel_runtime
+
+    os.environ["DSPARK_CACHE_DIR"] = cache
+    init_parallel_runtime(RunConfig(tp_size=int(os.environ["WORLD_SIZE"]), device="cpu"))
+    engine = build_engine(args)
+    head, now = engine.target.lm_head, [0.0]
+
+    def clock() -> float:
+        packed = head.packed is not None and head.packed.plan.from_rows < NEVER
+        now[0] += (3.0 if get_parallel().rank == 0 else 1.0) if packed else 2.0
+        return now[0]
+
+    out = {"auto": choose_gemm(engine, "auto", clock),
+           "layers": _packed_layers(engine) | _draft_packed(engine),
+           "field": engine.gemm_from_rows}
+    engine.shutdown()
+    return out
+
+
+def test_auto_keeps_no_copy_where_the_packed_kernel_loses(tiny, tmp_path):
+    args = engine_args(tiny, "DFLASH", tiny.dflash(4), cpu_gemm="onednn")  # built packed
+    for r in run_world(2, _slower_rank, args, str(tmp_path / "cache"), timeout=120):
+        assert r["auto"] == (NEVER, "measured")
+        assert r["layers"] == {None, False} and r["field"] == NEVER
+
+
+def test_a_mode_that_cannot_apply_is_refused():
     from dspark_launch.engine.gemm_choice import choose_gemm
     from dspark_launch.errors import ConfigError
+    from dspark_launch.models.layers import ColumnParallelLinear
 
-    class Half:  # an engine whose weights oneDNN does not pack (fp16)
-        target = torch.nn.Linear(4, 4).half()
-        target.dtype, target.packed = torch.float16, None
+    class Half:  # an engine whose projections oneDNN does not pack (fp16)
+        target = torch.nn.Sequential(ColumnParallelLinear(
+            8, 8, bias=False, shards=1, rank=0, dtype=torch.float16, device="cpu"))
+        target.dtype = torch.float16
         proposer, device = None, torch.device("cpu")
 
-    with pytest.raises(ConfigError, match="--cpu-gemm onednn packs CPU weights in float32 or "
-                                          "bfloat16.*float16 on cpu.*--cpu-gemm auto or torch"):
+    with pytest.raises(ConfigError, match="--cpu-gemm onednn packs CPU weights in float32.*"
+                                          "float16 on cpu.*--cpu-gemm auto or torch"):
         choose_gemm(Half(), "onednn")
     with pytest.raises(ConfigError, match="--cpu-gemm='fast': expected one of auto, torch, "
                                           "onednn"):
         choose_gemm(Half(), "fast")
-    assert choose_gemm(Half(), "auto") == (NEVER, "torch")
+    half = Half()
+    assert choose_gemm(half, "auto") == (NEVER, "torch") and half.gemm_from_rows == NEVER
 
 
 @pytest.mark.parametrize("world,algorithm", [(1, "DSPARK"), (2, "DFLASH")])

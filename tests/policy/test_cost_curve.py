@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dspark_launch.disk_cache import cache_key
 from dspark_launch.spec.cost_curve import (
     OUTLIER_RATIO,
     CostCurve,
-    cache_key,
     load_cached,
     profile,
     profile_points,

@@ -3,7 +3,7 @@
 from .activation import silu_and_mul
 from .dp_gather import DPTokens
 from .embedding import ParallelLMHead, VocabParallelEmbedding
-from .gemm import Packed, PackPlan, dense, pack, pack_model, unpack_model
+from .gemm import Packed, PackPlan, Packs, dense, pack, pack_model, packable_bytes, unpack_model
 from .linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -20,6 +20,7 @@ __all__ = [
     "MergedColumnParallelLinear",
     "PackPlan",
     "Packed",
+    "Packs",
     "ParallelLMHead",
     "QKVParallelLinear",
     "RMSNorm",
@@ -33,6 +34,7 @@ __all__ = [
     "new_param",
     "pack",
     "pack_model",
+    "packable_bytes",
     "rms_normalize",
     "silu_and_mul",
     "unpack_model",

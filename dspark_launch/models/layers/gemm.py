@@ -1,4 +1,5 @@
-"""Dense projections on CPU: torch's default GEMM (MKL) or oneDNN with pre-packed weights.
+"""Dense projections on CPU: torch's default GEMM (MKL, in fp32) or oneDNN with pre-packed
+weights.
 
 Why two: on an AMD EPYC (Zen 4, one thread, fp32) MKL's GEMM for a few rows is slow, and a
 verify's rows paid for it. The engine's own start-up timings of the embedded target's forward
@@ -39,11 +40,15 @@ class Packed:
 
 
 def packable(weight: torch.Tensor) -> bool:
-    """oneDNN packs CPU fp32 / bf16 matrices (on other devices the plain kernel is the
-    device's own)."""
-    return (weight.device.type == "cpu" and weight.dim() == 2
-            and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available())
+    """oneDNN packs CPU fp32 matrices, and bf16 ones where the CPU has bf16 instructions
+    (without them oneDNN refuses bf16 linears); on other devices the plain kernel is the
+    device's own."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or not (
+            torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return False
+    if weight.dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return weight.dtype == torch.float32
 
 
 def pack(weight: torch.Tensor, plan: PackPlan) -> Packed | None:
@@ -65,12 +70,18 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
 
 
 class Packs:
-    """A layer whose 2-D `weight` is projected through dense(x, weight, bias, self.packed)."""
+    """A layer that projects through dense(x, weight, bias, self.packed): by default its own
+    2-D `weight` (pack_source)."""
 
     packed: Packed | None = None
 
+    def pack_source(self) -> torch.Tensor | None:
+        """The matrix the packed copy holds (None: this layer keeps none)."""
+        return self.weight
+
     def pack(self, plan: PackPlan) -> int:
-        self.packed = pack(self.weight, plan)
+        source = self.pack_source()
+        self.packed = None if source is None else pack(source, plan)
         return int(self.packed is not None)
 
     def unpack(self) -> None:
@@ -78,13 +89,23 @@ class Packs:
 
 
 def pack_model(model: nn.Module, plan: PackPlan) -> int:
-    """Pack every layer of `model` that projects through dense() (their `pack` method);
-    -> how many packed copies were made."""
-    return sum(module.pack(plan) for module in model.modules() if hasattr(module, "pack"))
+    """Pack every layer of `model` that projects through dense(); -> how many packed copies
+    were made."""
+    return sum(module.pack(plan) for module in model.modules() if isinstance(module, Packs))
 
 
 def unpack_model(model: nn.Module) -> None:
     """Drop every packed copy (the plain kernel won everywhere: no second copy kept)."""
     for module in model.modules():
-        if hasattr(module, "pack"):
+        if isinstance(module, Packs):
             module.unpack()
+
+
+def packable_bytes(model: nn.Module) -> int:
+    """What pack_model would copy (the bytes a packed copy adds, before oneDNN's padding)."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, Packs) and (source := module.pack_source()) is not None \
+                and packable(source):
+            total += source.numel() * source.element_size()
+    return total
