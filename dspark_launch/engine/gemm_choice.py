@@ -13,9 +13,8 @@ must round alike) takes the same choice; it is cached per machine like the cost 
 Measured in the model, not on the projections alone: in one scratch run (AMD EPYC, one
 thread, min of 15) oneDNN ran the embedded target's 33 one-row projections alone in 1.19 ms
 against MKL's 2.11 ms, yet the whole one-token forward took 4.27 ms with it against 4.12 ms
-without. Counts 2 and 3 are not timed:
-there the two tied (5.05 / 5.01 ms at 2 tokens), and each count costs 2 + 2 x REPEATS forwards
-on every rank at start-up.
+without. Counts 2 and 3 are not timed: there the two tied (5.05 / 5.01 ms at 2 tokens), and
+each count costs 2 + 2 x REPEATS forwards on every rank at start-up.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import torch
 
 from dspark_launch import disk_cache
 from dspark_launch.comm import all_gather_object, broadcast_object
-from dspark_launch.engine.warmup import profile_forward
+from dspark_launch.engine.warmup import conditions, profile_forward
 from dspark_launch.errors import ConfigError
 from dspark_launch.log import logger
 from dspark_launch.memory.budget import mem_available_bytes
@@ -148,16 +147,9 @@ def _measured(engine, plan: PackPlan, clock: Callable[[], float]) -> tuple[int, 
     timed and rank 0's timings taken ('measured')."""
     state = get_parallel()
     points = _points(engine)
-    c = engine.target.config
     # No drafter in the key: which kernel wins is the target's rows', so every engine of a
     # machine, topology and target takes one choice (a benchmark's engines compare alike).
-    machine = {"version": VERSION, "device": disk_cache.device_name(engine.device),
-               "torch": torch.__version__, "threads": torch.get_num_threads(),
-               "world": state.world_size, "tp": state.tp_size, "attn_dp": state.attn_dp_size,
-               "dtype": str(engine.target.dtype), "attention": engine.backend.name,
-               "model": [c.num_hidden_layers, c.hidden_size, c.intermediate_size,
-                         c.vocab_size, c.num_attention_heads, c.num_key_value_heads,
-                         c.head_dim], "points": points}
+    machine = {"version": VERSION, **conditions(engine), "points": points}
     directory, key = disk_cache.cache_dir("gemm"), disk_cache.cache_key(machine)
     cached = broadcast_object(_cached_rows(directory, key) if state.rank == 0 else None)
     if cached is not None:

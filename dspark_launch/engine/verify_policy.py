@@ -15,8 +15,7 @@ import math
 import torch
 
 from dspark_launch.comm import all_gather_object, broadcast_object
-from dspark_launch.disk_cache import device_name
-from dspark_launch.engine.warmup import profile_forward
+from dspark_launch.engine.warmup import conditions, profile_forward
 from dspark_launch.log import logger
 from dspark_launch.parallel import get_parallel
 from dspark_launch.spec.acceptance import load_calibration
@@ -44,15 +43,7 @@ def build_verify_policy(engine, mode: str, profile: str, draft_dir: str | None,
     room = min(engine.limits.max_running * block, engine.space.num_free_tokens)
     points = profile_points(max(1, room), PROFILE_POINTS)
     c = engine.target.config
-    machine = {
-        "device": device_name(engine.device), "torch": torch.__version__,
-        "gemm_from_rows": engine.gemm_from_rows,
-        "threads": torch.get_num_threads(), "world": state.world_size, "tp": state.tp_size,
-        "attn_dp": state.attn_dp_size, "backend": engine.backend.name,
-        "dtype": str(engine.target.dtype), "block": block,
-        "model": [c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size,
-                  c.num_attention_heads, c.num_key_value_heads, c.head_dim],
-    }
+    machine = {**conditions(engine), "gemm_from_rows": engine.gemm_from_rows, "block": block}
     curve, source = profiled_curve(profile, machine, lambda n: profile_forward(engine, n),
                                    points, agree=broadcast_object, writer=state.rank == 0)
     draft = getattr(proposer, "draft", None)

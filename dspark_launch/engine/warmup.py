@@ -1,7 +1,8 @@
 """The forwards the engine runs at start-up, before any request.
 
 profile_forward: one real target forward of n tokens shaped like a decode step, timed by the
-CPU GEMM choice (engine/gemm_choice.py) and the cost-curve profile (engine/verify_policy.py).
+CPU GEMM choice (engine/gemm_choice.py) and the cost-curve profile (engine/verify_policy.py);
+conditions: what both timings depend on, their cache key's common part (disk_cache.py).
 
 largest_batch_step: one step at the largest batch the scheduler may form, run once at start-up
 on CUDA so that memory/transients.py's price can be checked against
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from dspark_launch.attention import build_metadata
+from dspark_launch.disk_cache import device_name
 from dspark_launch.memory.transients import StepShape
 from dspark_launch.parallel import get_parallel
 
@@ -87,3 +89,15 @@ def profile_forward(engine, n: int, block: int | None = None) -> torch.Tensor:
     finally:
         for slot in slots:
             space.free_slot(slot)
+
+
+def conditions(engine) -> dict:
+    """What a start-up timing of the target forward depends on: the processor, torch and its
+    threads, the topology, the dtype, the attention backend and the target's shape."""
+    state, c = get_parallel(), engine.target.config
+    return {"device": device_name(engine.device), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "world": state.world_size, "tp": state.tp_size,
+            "attn_dp": state.attn_dp_size, "dtype": str(engine.target.dtype),
+            "backend": engine.backend.name,
+            "model": [c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size,
+                      c.num_attention_heads, c.num_key_value_heads, c.head_dim]}
