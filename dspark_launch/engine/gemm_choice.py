@@ -83,7 +83,7 @@ def choose_gemm(engine, mode: str, clock: Callable[[], float] = time.perf_counte
                 ) -> tuple[int, str]:
     """Pack the engine's models (dropping any earlier copies) and set their shared plan and
     engine.gemm_from_rows, on every rank -> (from_rows, where it came from: 'torch',
-    'onednn', 'cache', 'measured' or 'memory')."""
+    'onednn', 'cache', 'measured', 'memory' or 'failed': packing failed on some rank)."""
     if mode not in MODES:
         raise ConfigError(f"--cpu-gemm={mode!r}: expected one of {', '.join(MODES)}")
     models = [engine.target] + ([engine.proposer.draft]
@@ -114,13 +114,35 @@ def _choose(engine, mode: str, models: list, clock: Callable[[], float]) -> tupl
         # The copy is outside every budget: a model this large keeps torch's kernel.
         return NEVER, "memory"
     plan = PackPlan()
-    for model in models:
-        pack_model(model, plan)
+    failed = {rank: message for rank, message in
+              enumerate(all_gather_object(_pack(models, plan))) if message is not None}
+    if failed:
+        for model in models:
+            unpack_model(model)
+        where = "; ".join(f"rank {rank}: {message}" for rank, message in failed.items())
+        if mode == "onednn":
+            raise ConfigError(f"--cpu-gemm onednn: packing the weights for oneDNN failed on "
+                              f"{where}; use --cpu-gemm torch")
+        logger.warning("cpu gemm: packing the weights for oneDNN failed on %s; torch's GEMM "
+                       "on every rank", where)
+        return NEVER, "failed"
     if mode == "onednn":
         plan.from_rows = 1
         return 1, "onednn"
     plan.from_rows, source = _measured(engine, plan, clock)
     return plan.from_rows, source
+
+
+def _pack(models: list, plan: PackPlan) -> str | None:
+    """Pack every model on this rank -> None, or what failed (oneDNN's reorder out of memory,
+    say). Every rank learns of any rank's failure before the timed forwards, whose
+    collectives would otherwise leave the others waiting until --dist-timeout."""
+    try:
+        for model in models:
+            pack_model(model, plan)
+    except (RuntimeError, MemoryError) as err:
+        return f"{type(err).__name__}: {err}"
+    return None
 
 
 def _points(engine) -> list[int]:

@@ -131,6 +131,46 @@ def test_auto_keeps_no_copy_where_the_packed_kernel_loses(tiny, tmp_path):
         assert r["layers"] == {None, False} and r["field"] == NEVER
 
 
+def _failing_rank(rank: int, args, cache: str) -> dict:
+    """Packing fails on rank 1 only (oneDNN's reorder out of memory, injected): 'auto' keeps
+    torch's GEMM on every rank, 'onednn' is refused on every rank, naming rank 1."""
+    import os
+
+    import dspark_launch.engine.gemm_choice as gemm_choice
+    from dspark_launch.args import RunConfig
+    from dspark_launch.engine.build import build_engine
+    from dspark_launch.errors import ConfigError
+    from dspark_launch.parallel import init_parallel_runtime
+
+    os.environ["DSPARK_CACHE_DIR"] = cache
+    init_parallel_runtime(RunConfig(tp_size=int(os.environ["WORLD_SIZE"]), device="cpu"))
+    engine = build_engine(args)
+    if rank == 1:
+        def out_of_memory(model, plan):
+            raise RuntimeError("could not allocate 1048576 bytes")
+        gemm_choice.pack_model = out_of_memory
+    out = {"auto": gemm_choice.choose_gemm(engine, "auto"),
+           "layers": _packed_layers(engine) | _draft_packed(engine)}
+    try:
+        gemm_choice.choose_gemm(engine, "onednn")
+    except ConfigError as err:
+        out["onednn"] = str(err)
+    out["after"] = _packed_layers(engine) | _draft_packed(engine)
+    engine.shutdown()
+    return out
+
+
+def test_a_rank_that_cannot_pack_leaves_none_waiting(tiny, tmp_path):
+    args = engine_args(tiny, "DSPARK", tiny.dspark(4), cpu_gemm="torch")
+    for r in run_world(2, _failing_rank, args, str(tmp_path / "cache"), timeout=120):
+        assert r["auto"] == (NEVER, "failed")
+        assert r["layers"] == {None, False}  # rank 0's copies dropped too
+        assert r["onednn"] == ("--cpu-gemm onednn: packing the weights for oneDNN failed on "
+                               "rank 1: RuntimeError: could not allocate 1048576 bytes; use "
+                               "--cpu-gemm torch")
+        assert r["after"] == {None, False}
+
+
 def test_a_mode_that_cannot_apply_is_refused():
     from dspark_launch.engine.gemm_choice import choose_gemm
     from dspark_launch.errors import ConfigError
