@@ -13,8 +13,12 @@ must round alike) takes the same choice; it is cached per machine like the cost 
 Measured in the model, not on the projections alone: in one scratch run (AMD EPYC, one
 thread, min of 15) oneDNN ran the embedded target's 33 one-row projections alone in 1.19 ms
 against MKL's 2.11 ms, yet the whole one-token forward took 4.27 ms with it against 4.12 ms
-without. Counts 2 and 3 are not timed: there the two tied (5.05 / 5.01 ms at 2 tokens), and
-each count costs 2 + 2 x REPEATS forwards on every rank at start-up.
+without. Every count from 1 to 4 is timed, and 16 and 64 above them (each count costs
+2 + 2 x REPEATS forwards on every rank at start-up). Timed only at 1, 4, 16 and 64, a 3-token
+forward kept MKL, 19% slower there (5.77 against 4.85 ms, min of 15): a verify block of 3
+rows cost more than one of 5 (at batch 1, T=1, DFlash verifying 2 drafts took 10.2 ms a
+step, 4 drafts 8.8 ms), and the ladder, which climbs from plain decoding through caps 1 and
+2, never reached cap 4, where DFlash ran 1.15x plain decoding (it stayed at plain, 0.985x).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from dspark_launch.models.layers.gemm import NEVER
 from dspark_launch.parallel import get_parallel
 
 MODES = ("auto", "torch", "onednn")
-POINTS = (1, 4, 16, 64)  # token counts timed (those the pools can hold): 2 and 3 rows tied
+POINTS = (1, 2, 3, 4, 16, 64)  # token counts timed (those the pools can hold)
 REPEATS = 3  # timed forwards per kernel and count (after one warm-up each), alternating
 MARGIN = 0.03  # the packed kernel must be this much faster (ties keep torch's: no copy)
 VERSION = 1  # of the cached file
