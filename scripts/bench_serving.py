@@ -95,7 +95,7 @@ def drive(engine, prompts: list[list[int]], batch: int, params: SamplingParams,
     decode_tokens = total_tokens = 0
     # Decode steps at the cell's concurrency (every one of `batch` slots decoding): the
     # steady state, apart from the last wave's drain (see the module docstring).
-    full_s, full_tokens, full_steps = 0.0, 0, 0
+    full_s, full_tokens = 0.0, 0
     outputs: dict[int, tuple[int, ...]] = {}
     rounds: list[int] = []
     queue = list(enumerate(prompts))
@@ -124,7 +124,6 @@ def drive(engine, prompts: list[list[int]], batch: int, params: SamplingParams,
             if engine.last_step.decode_requests == batch:
                 full_s += dt
                 full_tokens += new
-                full_steps += 1
         finished = [o for o in outs if o.finished]
         for o in finished:
             outputs[o.index - first_index] = o.output_ids
@@ -136,8 +135,7 @@ def drive(engine, prompts: list[list[int]], batch: int, params: SamplingParams,
     wall = decode_s + prefill_s
     return {"decode_tok_s": decode_tokens / decode_s if decode_s else None,
             "full_tok_s": full_tokens / full_s if full_s else None, "full_s": full_s,
-            "full_steps": full_steps, "decode_s": decode_s, "prefill_s": prefill_s,
-            "decode_tokens": decode_tokens,
+            "decode_s": decode_s, "prefill_s": prefill_s, "decode_tokens": decode_tokens,
             "output_tokens": total_tokens, "tok_s": total_tokens / wall, "wall_s": wall,
             "tau": sum(rounds) / len(rounds) if rounds else None,
             "outputs": [outputs[i] for i in range(len(prompts))]}
