@@ -38,8 +38,9 @@ leaving plain decoding: then plain decoding is measured afresh from the new arm 
 Exploring is paid for: tries are made only while what they lost (and, at plain decoding, what
 waking for them cost) stays within BUDGET of the run's time (plus a small ALLOWANCE), so a
 drafter that never pays costs at most that, even in a short run; a try faster than the
-current arm refills the budget. Once the budget has held
-plain decoding's tries back, they resume after a REFILL, in a burst.
+current arm refills the budget. BUDGET is the rate just after a move; it falls the longer the
+ladder stays (SETTLE), so a settled ladder's exploring costs ever less of the run. Once the
+budget has held plain decoding's tries back, they resume after a REFILL, in a burst.
 
 It starts at plain decoding, so speculation has to earn its place, and measures the top cap
 at once: where speculation pays most that is where the ladder ends (at batch 1 greedy a climb
@@ -139,6 +140,16 @@ UNLIKELY = 0.75
 # and the first tries of each neighbour (0.6x plain decoding there) took 10% of it.
 BUDGET = 0.01
 ALLOWANCE = 6.0
+# ... and BUDGET is the rate of a ladder that just moved (or started): it falls as the ladder
+# stays where it is, to half after SETTLE yardstick steps, a third after twice that, and so on
+# down to BUDGET_FLOOR, so what a settled ladder spends grows like the log of the run, not with
+# it. A ladder settled at plain decoding explores only to find out whether that changed, and a
+# flat 1% was most of what adaptive engines lost to NONE where nothing paid (batch 64 greedy,
+# DSpark: 0.972-0.986x NONE against 0.996-1.001x pinned to plain decoding; its ladder spent
+# 0.94% of the run on tries and wakes, and a drain after each burst of tries is not counted).
+# A move restores the full rate: the ladder around the new arm is young.
+SETTLE = 512.0
+BUDGET_FLOOR = 0.001
 # At plain decoding the tries' budget pays for waking too: an awake plain step writes the
 # draft's context (its rows; a dormant one does not), in no arm's time (engine.step) but in
 # the run's, and those writes are charged to the budget at the next try (admitted first, so
@@ -246,7 +257,9 @@ class Ladder:
         self._trying: tuple[int, int] | None = None  # a try under way: (arm, steps left)
         self._previous: int | None = None  # the arm of the last step observed
         self.elapsed = 0.0  # yardstick steps all scored steps took ...
-        self.spent = 0.0  # ... and what tries lost in them (BUDGET)
+        self.spent = 0.0  # ... and what tries lost in them (BUDGET) ...
+        self.earned = 0.0  # ... and may lose: the budget's rate summed over them (SETTLE)
+        self._settled = 0.0  # yardstick steps since the last move (SETTLE)
         self._refilling = False  # the budget stopped a try: no tries until REFILL is back
         self._waking = 0.0  # context writes of awake plain steps not yet charged (BUDGET)
         self._unfaded = 0  # scored steps whose fade the arms have not had yet (_settle)
@@ -347,7 +360,12 @@ class Ladder:
     def _room(self) -> float:
         """Yardstick steps tries may still lose within BUDGET of the run plus ALLOWANCE,
         keeping room for a whole try (each of its steps after the first loses at most one)."""
-        return BUDGET * self.elapsed + ALLOWANCE - self.spent - (self.try_steps - 1)
+        return self.earned + ALLOWANCE - self.spent - (self.try_steps - 1)
+
+    @property
+    def rate(self) -> float:
+        """The budget's share of the time now: BUDGET after a move, falling (SETTLE)."""
+        return max(BUDGET * SETTLE / (SETTLE + self._settled), BUDGET_FLOOR)
 
     def _over_budget(self) -> bool:
         """No room for a try, or, at plain decoding since there was none, not yet REFILL."""
@@ -395,6 +413,8 @@ class Ladder:
         arm = self.arms[i]
         speed = committed / (rounds * relative_seconds)
         self.elapsed += relative_seconds  # a try's first step loses time too (BUDGET)
+        self.earned += relative_seconds * self.rate
+        self._settled += relative_seconds
         if i != self.at and not math.isnan(self.base):
             self.spent += relative_seconds * (1 - speed / self.base)
         switched, self._previous = self._previous is not None and i != self._previous, i
@@ -502,6 +522,7 @@ class Ladder:
         there.forget()
         self.base *= math.exp(gap)
         self._base_rounds, self._base_steps = 0.0, 0
+        self._settled = 0.0  # the budget's full rate again (SETTLE)
         self.at = i
         for j in self.near[i]:  # the new neighbours are tried sooner (their ratios to the
             # new arm are re-based estimates, not measured) ...
@@ -531,7 +552,7 @@ class Ladder:
         # a climb's next cap waits for it too, and a ladder awake meanwhile would pay its
         # context writes for nothing (BUDGET)
         room = self._room()
-        held = max(0.0, (REFILL if self._refilling or room < 0 else 0.0) - room) / BUDGET
+        held = max(0.0, (REFILL if self._refilling or room < 0 else 0.0) - room) / self.rate
         if held > 1 + horizon:
             return True
         if self._ahead is not None:

@@ -5,6 +5,7 @@ often), and follows the machine when the best arm moves."""
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 
@@ -14,9 +15,11 @@ from dspark_launch.spec.acceptance import MeasuredRates
 from dspark_launch.spec.ladder import (
     ALLOWANCE,
     BUDGET,
+    BUDGET_FLOOR,
     EXPLORE_MAX,
     MARGIN,
     PLAIN,
+    SETTLE,
     TRY_GAP,
     Ladder,
 )
@@ -96,6 +99,15 @@ def test_follows_the_machine_when_the_best_arm_moves():
 
 def achieved(played: list[tuple[int, bool]], speedup) -> float:
     return sum(speedup(*arm) for arm in played) / len(played)
+
+
+def budget(steps: float) -> float:
+    """Closed form: the yardstick steps a ladder that never moved may lose in `steps` steps
+    of one yardstick step each, ALLOWANCE plus its rate BUDGET * SETTLE / (SETTLE + t)
+    integrated, the rate held at BUDGET_FLOOR once it falls there (at t = knee)."""
+    knee = SETTLE * (BUDGET / BUDGET_FLOOR - 1)
+    t = min(steps, knee)
+    return ALLOWANCE + BUDGET * SETTLE * math.log1p(t / SETTLE) + BUDGET_FLOOR * (steps - t)
 
 
 def test_neighbours_are_two_caps_away_the_other_mode_the_top_or_plain():
@@ -188,7 +200,7 @@ def test_exploring_loses_at_most_its_budget_however_short_the_run(steps):
     half = lambda cap, model: 0.5 if cap else 1.0  # noqa: E731
     played = closed_loop(Ladder(8), half, steps, noise=0.0)
     lost = sum(1 - half(*arm) for arm in played)
-    assert lost <= BUDGET * steps + ALLOWANCE + 0.5, Counter(played)
+    assert lost <= budget(steps) + 0.5, Counter(played)
 
 
 def test_a_single_arm_ladder_is_never_quiet():
@@ -373,7 +385,28 @@ def test_two_step_tries_still_climb_and_stay_within_budget():
     for steps in (64, 256, 2000):
         played = closed_loop(Ladder(8, try_steps=2), half, steps, noise=0.0)
         lost = sum(1 - half(*arm) for arm in played)
-        assert lost <= BUDGET * steps + ALLOWANCE + 0.5, (steps, Counter(played))
+        assert lost <= budget(steps) + 0.5, (steps, Counter(played))
+
+
+def test_a_settled_ladder_spends_ever_less_and_still_follows_the_machine():
+    """Every drafting arm at half plain speed for 20000 steps: the ladder never moves, and
+    what it loses in the last 10000 steps stays within what its falling rate earns there in
+    closed form (0.1% of them; a flat BUDGET would allow 1%, and its tries every EXPLORE_MAX
+    steps lost ~0.8%). When drafting then runs 1.5x plain decoding the settled ladder still
+    finds it, within a few thousand steps, and drafts from then on."""
+    half = lambda cap, model: 0.5 if cap else 1.0  # noqa: E731
+    fast = lambda cap, model: 1.5 if cap else 1.0  # noqa: E731
+    for seed in range(2):
+        ladder = Ladder(8, try_steps=2)
+        closed_loop(ladder, half, 10000, noise=0.0, seed=seed)
+        late = closed_loop(ladder, half, 10000, noise=0.0, seed=seed)
+        assert ladder.at == PLAIN
+        lost = sum(1 - half(*arm) for arm in late)
+        assert lost <= budget(20000) - budget(10000) + 1.0, lost
+        assert lost < 0.25 * BUDGET * 10000, lost
+        after = closed_loop(ladder, fast, 6000, seed=seed)
+        assert ladder.current.cap, seed
+        assert achieved(after[-2000:], fast) >= 1.45, Counter(after[-2000:])
 
 
 def test_a_ladder_the_budget_holds_back_tries_in_bursts():
@@ -382,12 +415,12 @@ def test_a_ladder_the_budget_holds_back_tries_in_bursts():
     decides when they run. Resumed as soon as one try fits, each try would come alone, after
     its own wake (horizon + 1 awake steps); with REFILL they come in bursts, one wake for
     several tries, and the ladder is quiet most of the time. The budget still holds."""
-    horizon = 32
+    horizon, steps = 32, 12000
     half = lambda cap, model: 0.5 if cap else 1.0  # noqa: E731
     ladder = Ladder(8, try_steps=2)
     closed_loop(ladder, half, 2000, noise=0.0)
     quiet, played = [], []
-    for _ in range(4000):
+    for _ in range(steps):
         q = ladder.quiet(horizon)
         i = ladder.pick()
         arm = ladder.arms[i]
@@ -396,14 +429,14 @@ def test_a_ladder_the_budget_holds_back_tries_in_bursts():
         ladder.observe(i, ROUNDS, ROUNDS * half(arm.cap, arm.model), 1.0)
     tries = sum(1 for t, cap in enumerate(played) if cap and not (t and played[t - 1]))
     wakes = sum(1 for t in range(1, len(quiet)) if quiet[t - 1] and not quiet[t])
-    assert tries >= 10, tries  # the budget lets tries in now and then
+    assert tries >= 8, tries  # the budget lets tries in now and then
     assert wakes <= tries / 2, (wakes, tries)
     assert sum(quiet) >= 0.75 * len(quiet), sum(quiet)
     for t, cap in enumerate(played):
         if cap:
             assert not any(quiet[max(0, t - horizon):t]), t
     lost = sum(1 - half(c, False) for c in played)
-    assert lost <= BUDGET * (2000 + 4000) + ALLOWANCE + 0.5
+    assert lost <= budget(2000 + steps) + 0.5
 
 
 def wave_loop(ladder: Ladder, steps: int, seed: int, wave: int, lucky: float,
@@ -467,7 +500,7 @@ def test_waking_for_tries_is_paid_from_the_budget(speed):
     most BUDGET of the run plus ALLOWANCE, and the ladder sleeps most of the time."""
     steps, wake = 6000, 0.04
     lost, awake = awake_loop(Ladder(8, try_steps=2), speed, wake, steps, charged=True)
-    assert lost <= BUDGET * steps + ALLOWANCE + 2 * wake * 32, (lost, awake)
+    assert lost <= budget(steps) + 2 * wake * 32, (lost, awake)
     assert awake <= 0.3, awake
     if speed == 0.99:
         free, always = awake_loop(Ladder(8, try_steps=2), speed, wake, steps, charged=False)
