@@ -291,16 +291,20 @@ class Engine:
         if not decode or not self.proposer.max_drafts:
             return None, 0
         t0 = time.perf_counter()
-        limits = [self._draft_limit(r) for r in decode]
         sub = list(range(len(decode)))
         if self.policy is not None and self.policy.adaptive:
-            limits = self.policy.plan([r.index for r in decode],
-                                      [request_class(r) for r in decode], limits,
+            classes = [request_class(r) for r in decode]
+            # A plain step (the ladder's arm, from past steps) needs no request's limit.
+            limits = ([self._draft_limit(r) for r in decode] if self.policy.pick(classes)
+                      else [0] * len(decode))
+            limits = self.policy.plan([r.index for r in decode], classes, limits,
                                       self._base_tokens(plan))
             self._dormant = self.policy.dormant
             sub = [i for i, n in enumerate(limits) if n > 0]
             if not sub:
                 return None, 0
+        else:
+            limits = [self._draft_limit(r) for r in decode]
         sub = self._reserve_drafts(decode, limits, sub)
         if not sub:
             return None, 0

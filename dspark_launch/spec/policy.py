@@ -56,6 +56,7 @@ speculative sampling is exact for any q.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -331,6 +332,9 @@ class VerifyPolicy:
         # The ladder's yardstick: the start-up profile, never refined, so that arms measured
         # at different times are scored alike (a learned curve would move under them).
         self.reference = CostCurve(list(curve.tokens), list(curve.seconds))
+        # ... read every step (a numpy interpolation each, ~8 us): remembered per token count
+        self.yardstick: Callable[[int], float] = functools.cache(
+            lambda tokens: float(self.reference.step_seconds(tokens)))
         self._since_plain = PLAIN_EVERY  # drafting steps planned since the last plain one
         self.ladders: dict[str, Ladder] = {}  # per request class and batch size
         self._by_size: dict[tuple[str, int], Ladder] = {}  # the same, by (class, size)
@@ -341,10 +345,24 @@ class VerifyPolicy:
         self._pending: _Played | None = None
         self.dormant = False  # this step drafts nothing and its context may be left out
         self._choices = 0  # choose() calls (CALIBRATION_EVERY)
+        self._picked: tuple[Ladder, int] | None = None  # pick()'s, for this step's plan()
 
     @property
     def adaptive(self) -> bool:
         return self.mode != "fixed"
+
+    def pick(self, classes: Sequence[str]) -> int:
+        """This step's arm on the ladder of its requests' majority class and number, from
+        past steps only: the most drafts a request may verify (0: plain decoding). The
+        engine asks before plan() to skip what a plain step does not need (each request's
+        draft limit: ~45 us of a 20 ms step at batch 64); plan() picks itself otherwise."""
+        cls = classes[0]  # the step's majority class (ties: the first met, as most_common)
+        if 2 * classes.count(cls) < len(classes):
+            cls = Counter(classes).most_common(1)[0][0]
+        ladder = self._ladder(cls, len(classes))
+        arm = ladder.pick(self._predictor(cls, len(classes)))
+        self._picked = (ladder, arm)
+        return ladder.arms[arm].cap
 
     def plan(self, keys: Sequence[object], classes: Sequence[str], limits: Sequence[int],
              base_tokens: int) -> list[int]:
@@ -353,12 +371,11 @@ class VerifyPolicy:
         self._pending, self._played = self._played, None
         self.dormant = False
         if not self.adaptive or not keys:
+            self._picked = None
             return list(limits)
-        cls = classes[0]  # the step's majority class (ties: the first met, as most_common)
-        if 2 * classes.count(cls) < len(classes):
-            cls = Counter(classes).most_common(1)[0][0]
-        ladder = self._ladder(cls, len(keys))
-        arm = ladder.pick(self._predictor(cls, len(keys)))
+        if self._picked is None:
+            self.pick(classes)
+        (ladder, arm), self._picked = self._picked, None
         cap, self._model = ladder.arms[arm].cap, ladder.arms[arm].model
         capped = [min(n, cap) for n in limits]
         lengths = (self._model_lengths(keys, classes, capped, base_tokens) if self._model
@@ -369,8 +386,8 @@ class VerifyPolicy:
             self._since_plain, arm, lengths = 0, PLAIN, [0] * len(limits)
             self.metrics.plain_steps += 1
         self._since_plain = self._since_plain + 1 if sum(lengths) else 0
-        if any(limits) and not sum(lengths):
-            self.metrics.skipped_drafts += 1
+        if (not cap or any(limits)) and not sum(lengths):  # (at cap 0 the engine may pass
+            self.metrics.skipped_drafts += 1  # zeros for limits it did not work out: pick())
         self.dormant = arm == ladder.at and not sum(lengths) and ladder.quiet(WAKE_AHEAD)
         self.metrics.dormant_steps += self.dormant
         self._played = _Played(ladder, arm, base_tokens)
@@ -399,17 +416,15 @@ class VerifyPolicy:
         optimistic until measured) over its step's seconds in plain steps (the start-up
         profile's verify and the draft curve's draft). None for the model's arms, whose
         lengths it does not know. From past rounds only, like every choice of the ladder."""
-        plain = self.reference.step_seconds(requests)
-
         def predict(arm: Arm) -> float | None:
             if arm.model:
                 return None
             if not arm.cap:
                 return 1.0
             tokens = 1.0 + sum(survival_of(self.tracker.global_rates(cls)[:arm.cap]))
-            seconds = (self.reference.step_seconds(requests * (1 + arm.cap))
+            seconds = (self.yardstick(requests * (1 + arm.cap))
                        + self.draft_curve.step_seconds(self.draft_rows(requests, arm.cap)))
-            return tokens * plain / seconds
+            return tokens * self.yardstick(requests) / seconds
 
         return predict
 
@@ -596,7 +611,7 @@ class VerifyPolicy:
             self._pending = None
         else:
             self._played = None
-        yardstick = self.reference.step_seconds(played.base_tokens)
+        yardstick = self.yardstick(played.base_tokens)
         played.ladder.observe(played.arm, played.rounds, played.committed,
                               seconds / yardstick, context_s / yardstick)
 
