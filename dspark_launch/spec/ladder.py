@@ -27,8 +27,8 @@ step's time of the current arm does around their recent average: the machine's a
 batch's noise). It moves to a neighbour whose ratio is above 1 + MARGIN (1 + ENTER from plain
 decoding) and 1 by Z standard errors. A neighbour that is slower (or ties within the margin)
 is tried less and less often: its wait doubles (grows 4x when clearly slower), up to
-EXPLORE_MAX, so where nothing pays exploring costs under 1% of the speed; long waits end on
-multiples of themselves (ALIGN), so those tries come in bursts. One not yet resolved keeps
+EXPLORE_MAX, so where nothing pays exploring costs little (the budget bounds it); long waits
+end on multiples of themselves (ALIGN), so those tries come in bursts. One not yet resolved keeps
 being tried, for PATIENCE tries. A try far off its arm's record (SURPRISE: the machine or the
 batch changed) makes the old tries count less and the arm due again soon. After a move the
 ratios are re-based on the new arm (the old one's is the mirror of the one that won, the
@@ -38,9 +38,10 @@ leaving plain decoding: then plain decoding is measured afresh from the new arm 
 Exploring is paid for: tries are made only while what they lost (and, at plain decoding, what
 waking for them cost) stays within BUDGET of the run's time (plus a small ALLOWANCE), so a
 drafter that never pays costs at most that, even in a short run; a try faster than the
-current arm refills the budget. BUDGET is the rate just after a move; it falls the longer the
-ladder stays (SETTLE), so a settled ladder's exploring costs ever less of the run. Once the
-budget has held plain decoding's tries back, they resume after a REFILL, in a burst.
+current arm refills the budget. At plain decoding BUDGET is the rate just after a move; it
+falls the longer the ladder stays (SETTLE), so exploring from a settled plain ladder costs ever
+less of the run. Once the budget has held plain decoding's tries back, they resume after a
+REFILL, in a burst.
 
 It starts at plain decoding, so speculation has to earn its place, and measures the top cap
 at once: where speculation pays most that is where the ladder ends (at batch 1 greedy a climb
@@ -140,14 +141,17 @@ UNLIKELY = 0.75
 # and the first tries of each neighbour (0.6x plain decoding there) took 10% of it.
 BUDGET = 0.01
 ALLOWANCE = 6.0
-# ... and BUDGET is the rate of a ladder that just moved (or started): it falls as the ladder
-# stays where it is, to half after SETTLE yardstick steps, a third after twice that, and so on
-# down to BUDGET_FLOOR, so what a settled ladder spends grows like the log of the run, not with
-# it. A ladder settled at plain decoding explores only to find out whether that changed, and a
-# flat 1% was most of what adaptive engines lost to NONE where nothing paid (batch 64 greedy,
-# DSpark: 0.972-0.986x NONE against 0.996-1.001x pinned to plain decoding; its ladder spent
-# 0.94% of the run on tries and wakes, and a drain after each burst of tries is not counted).
-# A move restores the full rate: the ladder around the new arm is young.
+# ... and at plain decoding BUDGET is the rate of a ladder that just came there (or started):
+# it falls as the ladder stays, to half after SETTLE yardstick steps, a third after twice that,
+# and so on down to BUDGET_FLOOR, so what a ladder settled at plain decoding spends grows like
+# the log of the run, not with it. There it explores only to find out whether anything
+# changed, and a flat 1% was most of what adaptive engines lost to NONE where nothing paid
+# (batch 64 greedy, DSpark: 0.972-0.986x NONE against 0.996-1.001x pinned to plain decoding;
+# its ladder spent 0.94% of the run on tries and wakes, and the drain after each burst of
+# tries is not counted). A drafting arm keeps the flat rate: its neighbours are close rivals
+# whose one-step tries at batch 1 scatter widely, and rationed, a neighbour measured 1.16x
+# (NGRAM at batch 1 greedy, cap 2 with the model) went unresolved and the run fell from 1.53x
+# to 1.37x NONE. Any move restarts the fall.
 SETTLE = 512.0
 BUDGET_FLOOR = 0.001
 # At plain decoding the tries' budget pays for waking too: an awake plain step writes the
@@ -358,13 +362,15 @@ class Ladder:
         self._waking = 0.0
 
     def _room(self) -> float:
-        """Yardstick steps tries may still lose within BUDGET of the run plus ALLOWANCE,
+        """Yardstick steps tries may still lose within the budget earned (SETTLE) plus ALLOWANCE,
         keeping room for a whole try (each of its steps after the first loses at most one)."""
         return self.earned + ALLOWANCE - self.spent - (self.try_steps - 1)
 
     @property
     def rate(self) -> float:
-        """The budget's share of the time now: BUDGET after a move, falling (SETTLE)."""
+        """The budget's share of the time now: BUDGET, falling at plain decoding (SETTLE)."""
+        if self.at != PLAIN:
+            return BUDGET
         return max(BUDGET * SETTLE / (SETTLE + self._settled), BUDGET_FLOOR)
 
     def _over_budget(self) -> bool:
