@@ -31,6 +31,8 @@ def _run(rank: int, args, prompts: list[list[int]]) -> dict:
 
     proposer.propose = recording
     if engine.policy.adaptive:
+        # Every step drafts (pick: the arm's cap, before plan sees each request's limit).
+        engine.policy.pick = lambda classes: proposer.max_drafts
         engine.policy.plan = lambda keys, classes, limits, base: [min(n, LONGEST)
                                                                   for n in limits]
     for i, p in enumerate(prompts):

@@ -40,6 +40,8 @@ def _run(rank: int, args, prompts: list[list[int]], cap: int) -> dict:
             return [0] * len(limits) if planned[0] <= SKIP else list(limits)
 
         policy.plan = forced
+        # The arm drafts, so the engine works out the limits the forced plan hands back.
+        policy.pick = lambda classes, cap=proposer.max_drafts: cap
         for i, p in enumerate(prompts):
             engine.add_request(spec(i, p, max_tokens=MAX_NEW, temperature=0.0))
         pending, pools, finals = [], None, {}
