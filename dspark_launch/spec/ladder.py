@@ -36,12 +36,12 @@ others' shift by the winner's and count less: they are estimates through it), ex
 leaving plain decoding: then plain decoding is measured afresh from the new arm (_move).
 
 Exploring is paid for: tries are made only while what they lost (and, at plain decoding, what
-waking for them cost) stays within BUDGET of the run's time (plus a small ALLOWANCE), so a
-drafter that never pays costs at most that, even in a short run; a try faster than the
-current arm refills the budget. At plain decoding BUDGET is the rate just after a move; it
-falls the longer the ladder stays (SETTLE), so exploring from a settled plain ladder costs ever
-less of the run. Once the budget has held plain decoding's tries back, they resume after a
-REFILL, in a burst.
+waking for them cost) stays within BUDGET of the run's time (plus a small ALLOWANCE, one for
+all the ladders of a policy: Allowance), so a drafter that never pays costs at most that, even
+in a short run; a try faster than the current arm refills the budget. At plain decoding
+BUDGET is the rate just after a move; it falls the longer the ladder stays (SETTLE), so
+exploring from a settled plain ladder costs ever less of the run. Once the budget has held
+plain decoding's tries back, they resume after a REFILL, in a burst.
 
 It starts at plain decoding, so speculation has to earn its place, and measures the top cap
 at once: where speculation pays most that is where the ladder ends (at batch 1 greedy a climb
@@ -140,6 +140,11 @@ UNLIKELY = 0.75
 # pays then costs at most that, however short the run: at batch 64 a repeat is ~128 steps,
 # and the first tries of each neighbour (0.6x plain decoding there) took 10% of it.
 BUDGET = 0.01
+# ALLOWANCE is shared by the ladders of one policy (Allowance): every request class and batch
+# size has its own ladder, and a run's drain alone visits five (batch 64 -> 33-64, 17-32, ...,
+# 1). Each with ALLOWANCE of its own, the small ladders of the drains each spent theirs (at batch
+# 64, T=1, DSpark and NGRAM: 5.9-7.3 yardstick steps each in the 17-32 and 9-16 ladders' first
+# 90-130 steps), and a drafter that never paid lost ALLOWANCE times the ladders it had.
 ALLOWANCE = 6.0
 # ... and at plain decoding BUDGET is the rate of a ladder that just came there (or started):
 # it falls as the ladder stays, to half after SETTLE yardstick steps, a third after twice that,
@@ -166,6 +171,20 @@ BUDGET_FLOOR = 0.001
 # T=1 tried one neighbour every ~60 steps, each after 32 awake steps: a third of the steps
 # were awake, at +2.7% each (DFlash). A drafting arm has no wake to save: no refill there.
 REFILL = 3.0
+
+
+class Allowance:
+    """ALLOWANCE yardstick steps that the ladders sharing it may lose, together, beyond the
+    budget each earned (BUDGET): a ladder may spend its own unspent budget, then what is left
+    of the allowance once every ladder's overdraft is taken out. So all of them together lose
+    at most their budgets plus ALLOWANCE (plus the try that crossed it, each)."""
+
+    def __init__(self, steps: float = ALLOWANCE) -> None:
+        self.steps = steps
+        self.ladders: list[Ladder] = []
+
+    def left(self) -> float:
+        return self.steps - sum(max(0.0, lad.spent - lad.earned) for lad in self.ladders)
 
 
 @dataclass
@@ -241,10 +260,12 @@ class Arm:
 class Ladder:
     """The hill climb of one request class and batch size (see the module docstring)."""
 
-    def __init__(self, max_drafts: int, top: int | None = None, try_steps: int = 1) -> None:
+    def __init__(self, max_drafts: int, top: int | None = None, try_steps: int = 1,
+                 allowance: Allowance | None = None) -> None:
         """`top`: the cap every arm neighbours and the ladder measures first (default the
         largest; see policy.py's top_cap). `try_steps`: steps a try plays (TRY_STEPS; above 1
-        the first step after every change of arm is not scored)."""
+        the first step after every change of arm is not scored). `allowance`: shared with the
+        other ladders of a policy (default: one of its own)."""
         caps = self.caps(max_drafts)
         self.top = max_drafts if top is None else top
         assert self.top in caps, f"top cap {self.top} not among {caps}"
@@ -266,6 +287,8 @@ class Ladder:
         self._settled = 0.0  # yardstick steps since the last move (SETTLE)
         self._refilling = False  # the budget stopped a try: no tries until REFILL is back
         self._waking = 0.0  # context writes of awake plain steps not yet charged (BUDGET)
+        self.allowance = Allowance() if allowance is None else allowance
+        self.allowance.ladders.append(self)
         self._unfaded = 0  # scored steps whose fade the arms have not had yet (_settle)
         # The current arm's steps: the average log of their relative seconds, and the mean
         # squared miss of one step's against it (over _misses steps): the machine's and the
@@ -362,9 +385,11 @@ class Ladder:
         self._waking = 0.0
 
     def _room(self) -> float:
-        """Yardstick steps tries may still lose within the budget earned (SETTLE) plus ALLOWANCE,
-        keeping room for a whole try (each of its steps after the first loses at most one)."""
-        return self.earned + ALLOWANCE - self.spent - (self.try_steps - 1)
+        """Yardstick steps tries may still lose: the budget earned (SETTLE) and not spent, plus
+        what the shared ALLOWANCE has left, keeping room for a whole try (each of its steps
+        after the first loses at most one)."""
+        return (max(self.earned - self.spent, 0.0) + self.allowance.left()
+                - (self.try_steps - 1))
 
     @property
     def rate(self) -> float:
@@ -556,7 +581,9 @@ class Ladder:
             return True
         # steps (of about one yardstick step each) until the budget lets a try in again:
         # a climb's next cap waits for it too, and a ladder awake meanwhile would pay its
-        # context writes for nothing (BUDGET)
+        # context writes for nothing (BUDGET). Counted from this ladder's earning alone: the
+        # other ladders sharing the allowance only spend it (or, where a try wins, refill it
+        # a little sooner).
         room = self._room()
         held = max(0.0, (REFILL if self._refilling or room < 0 else 0.0) - room) / self.rate
         if held > 1 + horizon:

@@ -71,7 +71,7 @@ from dspark_launch.spec.acceptance import (
     apply_temperatures,
 )
 from dspark_launch.spec.cost_curve import CostCurve, profile_points
-from dspark_launch.spec.ladder import PLAIN, TRY_STEPS, Arm, Ladder
+from dspark_launch.spec.ladder import PLAIN, TRY_STEPS, Allowance, Arm, Ladder
 
 # adaptive: the verify ladder (spec/ladder.py) over caps, the cost model one of its modes;
 # model: the cost model alone at the full cap; fixed: every draft is verified.
@@ -336,7 +336,8 @@ class VerifyPolicy:
         self.yardstick: Callable[[int], float] = functools.cache(
             lambda tokens: float(self.reference.step_seconds(tokens)))
         self._since_plain = PLAIN_EVERY  # drafting steps planned since the last plain one
-        self.ladders: dict[str, Ladder] = {}  # per request class and batch size
+        self.ladders: dict[str, Ladder] = {}  # per request class and batch size ...
+        self.allowance = Allowance()  # ... which share one allowance (spec/ladder.py)
         self._by_size: dict[tuple[str, int], Ladder] = {}  # the same, by (class, size)
         self._model = True  # this step's lengths are the cost model's (choose() may cut)
         # The step being planned, and the one before it: its times arrive in record_step()
@@ -406,7 +407,7 @@ class VerifyPolicy:
             key = f"{cls}, batch " + (f"{size // 2 + 1}-{size}" if size > 2 else f"{size}")
             ladder = self.ladders[key] = self._by_size[(cls, size)] = (
                 Ladder(self.positions, top_cap(self.reference, size, self.positions),
-                       try_steps=TRY_STEPS if size > 1 else 1)
+                       try_steps=TRY_STEPS if size > 1 else 1, allowance=self.allowance)
                 if self.mode == "adaptive" else Ladder.single(self.positions, model=True))
         return ladder
 

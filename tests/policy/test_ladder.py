@@ -21,6 +21,7 @@ from dspark_launch.spec.ladder import (
     PLAIN,
     SETTLE,
     TRY_GAP,
+    Allowance,
     Ladder,
 )
 from dspark_launch.spec.policy import MEASURED_AFTER, round_score
@@ -201,6 +202,29 @@ def test_exploring_loses_at_most_its_budget_however_short_the_run(steps):
     played = closed_loop(Ladder(8), half, steps, noise=0.0)
     lost = sum(1 - half(*arm) for arm in played)
     assert lost <= budget(steps) + 0.5, Counter(played)
+
+
+@pytest.mark.parametrize("steps", [64, 256, 2000])
+def test_ladders_that_share_an_allowance_lose_one_allowance_together(steps):
+    """A policy has a ladder per request class and batch size, and a run's drain visits five
+    of them in turn, a few steps each. Every drafting arm at half plain speed: five ladders
+    sharing one Allowance lose at most their five budgets plus ONE allowance (closed form,
+    and each one's try that crossed it); with an allowance each they lose more than that."""
+    half = lambda cap, model: 0.5 if cap else 1.0  # noqa: E731
+
+    def lost(allowance: Allowance | None) -> float:
+        ladders = [Ladder(8, try_steps=2, allowance=allowance) for _ in range(5)]
+        total = 0.0
+        for _ in range(steps // 8):
+            for ladder in ladders:
+                total += sum(1 - half(*arm) for arm in closed_loop(ladder, half, 8, noise=0.0))
+        return total
+
+    bound = ALLOWANCE + 5 * (budget(steps) - ALLOWANCE) + 5 * 1.0
+    shared = lost(Allowance())
+    assert shared <= bound, (shared, bound)
+    alone = lost(None)
+    assert alone > bound, (alone, bound)
 
 
 def test_a_single_arm_ladder_is_never_quiet():

@@ -186,6 +186,9 @@ def test_each_batch_size_has_its_own_ladder():
                                       "greedy, batch 3-4", "greedy, batch 33-64"]
     assert policy.ladders["greedy, batch 33-64"].top == top_cap(policy.reference, 64, LIMIT)
     assert policy.ladders["greedy, batch 1"].top == LIMIT
+    # ... and one allowance for them all (spec/ladder.py: Allowance)
+    assert all(ladder.allowance is policy.allowance for ladder in policy.ladders.values())
+    assert len(policy.allowance.ladders) == 4
 
 
 @pytest.mark.parametrize("verified", [0, 1, 3, 8])
