@@ -25,7 +25,10 @@ together and it never drains, while a speculative engine's finish a few steps ap
 last ~max_new_tokens / tau steps run part-empty (batch 64 greedy, 512 prompts, DSpark
 verifying 1 draft: 6% of its decode time, a 2% lower ratio; scratch measurement). Both are
 kept: decode tok/s is what a finite batch job of equal-length requests sees, the full figure
-what a server holding `batch` requests sees. Greedy outputs of every
+what a server holding `batch` requests sees. drafting_share is the part of decode time spent
+in steps where some request drafted, drafting_vs_plain those steps' tokens/s over the plain
+steps': at a cell where nothing pays, what a speculative engine's tries cost it. Greedy
+outputs of every
 algorithm are checked against NONE's (lossless). Fewer than --num-prompts prompts in the file
 are stretched by cutting each at earlier line ends (distinct, shorter prompts).
 A cell at batch b runs max(--num-prompts, --min-waves x b) prompts (the prompt list again
@@ -96,6 +99,9 @@ def drive(engine, prompts: list[list[int]], batch: int, params: SamplingParams,
     # Decode steps at the cell's concurrency (every one of `batch` slots decoding): the
     # steady state, apart from the last wave's drain (see the module docstring).
     full_s, full_tokens = 0.0, 0
+    # Decode steps in which some request drafted (the policy's arm or a try): where a
+    # speculative engine's time at plain decoding goes, apart from its plain steps.
+    drafting_s, drafting_tokens = 0.0, 0
     outputs: dict[int, tuple[int, ...]] = {}
     rounds: list[int] = []
     queue = list(enumerate(prompts))
@@ -121,6 +127,9 @@ def drive(engine, prompts: list[list[int]], batch: int, params: SamplingParams,
         else:
             decode_s += dt
             decode_tokens += new
+            if engine.last_step.drafted:
+                drafting_s += dt
+                drafting_tokens += new
             if engine.last_step.decode_requests == batch:
                 full_s += dt
                 full_tokens += new
@@ -133,7 +142,12 @@ def drive(engine, prompts: list[list[int]], batch: int, params: SamplingParams,
             pending = True
         yield
     wall = decode_s + prefill_s
+    plain_s, plain_tokens = decode_s - drafting_s, decode_tokens - drafting_tokens
     return {"decode_tok_s": decode_tokens / decode_s if decode_s else None,
+            # share of decode time in drafting steps, and their speed over the plain steps'
+            "drafting_share": drafting_s / decode_s if decode_s else None,
+            "drafting_vs_plain": (drafting_tokens / drafting_s) / (plain_tokens / plain_s)
+            if drafting_s and plain_s and plain_tokens else None,
             "full_tok_s": full_tokens / full_s if full_s else None, "full_s": full_s,
             "decode_s": decode_s, "prefill_s": prefill_s, "decode_tokens": decode_tokens,
             "output_tokens": total_tokens, "tok_s": total_tokens / wall, "wall_s": wall,
@@ -185,8 +199,8 @@ def run_interleaved(engines: dict, prompts: list[list[int]], batch: int,
 
 def median_of(runs: list[dict]) -> dict:
     keys = ("decode_tok_s", "full_tok_s", "decode_s", "full_s", "prefill_s", "tok_s", "wall_s",
-            "tau")
-    out = {k: statistics.median(r[k] for r in runs) if runs[0][k] is not None else None
+            "tau", "drafting_share", "drafting_vs_plain")
+    out = {k: statistics.median(x) if (x := [r[k] for r in runs if r[k] is not None]) else None
            for k in keys}
     out["runs"] = [{k: r[k] for k in keys} for r in runs]
     out["outputs"] = runs[0]["outputs"]
@@ -333,7 +347,9 @@ def main() -> None:
                         label = f"warm-up {args.warmup + rep}" if rep < 0 else f"repeat {rep}"
                         print(f"{label} {group} {algorithm:7s} decode "
                               f"{r['decode_tok_s'] or 0:8.1f} tok/s  all {r['tok_s']:8.1f} "
-                              f"tok/s  tau {r['tau'] or 0:.2f}", flush=True)
+                              f"tok/s  tau {r['tau'] or 0:.2f}  drafting "
+                              f"{100 * (r['drafting_share'] or 0):5.2f}% of decode",
+                              flush=True)
             # Where each ladder ended (per request class): what the policy settled on.
             ladders[f"batch {batch}"] = {name: engine.policy.report()["ladders"]
                                          for name, engine in engines.items()

@@ -37,8 +37,8 @@ leaving plain decoding: then plain decoding is measured afresh from the new arm 
 
 Exploring is paid for: tries are made only while what they lost (and, at plain decoding, what
 waking for them cost) stays within BUDGET of the run's time (plus a small ALLOWANCE, one for
-all the ladders of a policy: Allowance), so a drafter that never pays costs at most that, even
-in a short run; a try faster than the current arm refills the budget. At plain decoding
+all the ladders of a request class: Allowance), so a drafter that never pays costs at most
+that, even in a short run; a try faster than the current arm refills the budget. At plain decoding
 BUDGET is the rate just after a move; it falls the longer the ladder stays (SETTLE), so
 exploring from a settled plain ladder costs ever less of the run. Once the budget has held
 plain decoding's tries back, they resume after a REFILL, in a burst.
@@ -140,11 +140,15 @@ UNLIKELY = 0.75
 # pays then costs at most that, however short the run: at batch 64 a repeat is ~128 steps,
 # and the first tries of each neighbour (0.6x plain decoding there) took 10% of it.
 BUDGET = 0.01
-# ALLOWANCE is shared by the ladders of one policy (Allowance): every request class and batch
-# size has its own ladder, and a run's drain alone visits five (batch 64 -> 33-64, 17-32, ...,
-# 1). Each with ALLOWANCE of its own, the small ladders of the drains each spent theirs (at batch
-# 64, T=1, DSpark and NGRAM: 5.9-7.3 yardstick steps each in the 17-32 and 9-16 ladders' first
-# 90-130 steps), and a drafter that never paid lost ALLOWANCE times the ladders it had.
+# ALLOWANCE is shared by the ladders of one request class (Allowance): every batch size has its
+# own ladder, and a run's drain alone visits five (batch 64 -> 33-64, 17-32, ..., 1). Each with
+# ALLOWANCE of its own, the small ladders of the drains each spent theirs (at batch 64, T=1,
+# DSpark and NGRAM: 5.9-7.3 yardstick steps each in the 17-32 and 9-16 ladders' first 90-130
+# steps), and a drafter that never paid lost ALLOWANCE times the ladders it had. Not shared
+# across classes: greedy and sampled requests are different workloads, and a class's first
+# ladder must be able to measure its top cap at once. Shared, the greedy ladder's overdraft
+# at batch 1 held the sampled one at plain decoding through a whole warm-up pass (DFlash at
+# T=1: tau 1.01 where it had been 1.70).
 ALLOWANCE = 6.0
 # ... and at plain decoding BUDGET is the rate of a ladder that just came there (or started):
 # it falls as the ladder stays, to half after SETTLE yardstick steps, a third after twice that,
@@ -174,10 +178,11 @@ REFILL = 3.0
 
 
 class Allowance:
-    """ALLOWANCE yardstick steps that the ladders sharing it may lose, together, beyond the
-    budget each earned (BUDGET): a ladder may spend its own unspent budget, then what is left
-    of the allowance once every ladder's overdraft is taken out. So all of them together lose
-    at most their budgets plus ALLOWANCE (plus the try that crossed it, each)."""
+    """ALLOWANCE yardstick steps that the ladders sharing it (a request class's, every batch
+    size: policy.py) may lose, together, beyond the budget each earned (BUDGET): a ladder may
+    spend its own unspent budget, then what is left of the allowance once every ladder's
+    overdraft is taken out. So all of them together lose at most their budgets plus ALLOWANCE
+    (plus the try that crossed it, each)."""
 
     def __init__(self, steps: float = ALLOWANCE) -> None:
         self.steps = steps
@@ -265,7 +270,7 @@ class Ladder:
         """`top`: the cap every arm neighbours and the ladder measures first (default the
         largest; see policy.py's top_cap). `try_steps`: steps a try plays (TRY_STEPS; above 1
         the first step after every change of arm is not scored). `allowance`: shared with the
-        other ladders of a policy (default: one of its own)."""
+        other ladders of its request class (default: one of its own)."""
         caps = self.caps(max_drafts)
         self.top = max_drafts if top is None else top
         assert self.top in caps, f"top cap {self.top} not among {caps}"

@@ -337,7 +337,9 @@ class VerifyPolicy:
             lambda tokens: float(self.reference.step_seconds(tokens)))
         self._since_plain = PLAIN_EVERY  # drafting steps planned since the last plain one
         self.ladders: dict[str, Ladder] = {}  # per request class and batch size ...
-        self.allowance = Allowance()  # ... which share one allowance (spec/ladder.py)
+        # ... and the ladders of a class (every batch size) share one allowance
+        # (spec/ladder.py: Allowance)
+        self.allowances: dict[str, Allowance] = {}
         self._by_size: dict[tuple[str, int], Ladder] = {}  # the same, by (class, size)
         self._model = True  # this step's lengths are the cost model's (choose() may cut)
         # The step being planned, and the one before it: its times arrive in record_step()
@@ -407,7 +409,8 @@ class VerifyPolicy:
             key = f"{cls}, batch " + (f"{size // 2 + 1}-{size}" if size > 2 else f"{size}")
             ladder = self.ladders[key] = self._by_size[(cls, size)] = (
                 Ladder(self.positions, top_cap(self.reference, size, self.positions),
-                       try_steps=TRY_STEPS if size > 1 else 1, allowance=self.allowance)
+                       try_steps=TRY_STEPS if size > 1 else 1,
+                       allowance=self.allowances.setdefault(cls, Allowance()))
                 if self.mode == "adaptive" else Ladder.single(self.positions, model=True))
         return ladder
 

@@ -186,9 +186,15 @@ def test_each_batch_size_has_its_own_ladder():
                                       "greedy, batch 3-4", "greedy, batch 33-64"]
     assert policy.ladders["greedy, batch 33-64"].top == top_cap(policy.reference, 64, LIMIT)
     assert policy.ladders["greedy, batch 1"].top == LIMIT
-    # ... and one allowance for them all (spec/ladder.py: Allowance)
-    assert all(ladder.allowance is policy.allowance for ladder in policy.ladders.values())
-    assert len(policy.allowance.ladders) == 4
+    # ... and one allowance for every ladder of a class (spec/ladder.py: Allowance), another
+    # for the other class's
+    greedy = policy.allowances["greedy"]
+    assert all(ladder.allowance is greedy for ladder in policy.ladders.values())
+    assert len(greedy.ladders) == 4
+    policy.plan([0], ["sampled"], [LIMIT], 1)
+    sampled = policy.ladders["sampled, batch 1"].allowance
+    assert sampled is policy.allowances["sampled"] is not greedy
+    assert sampled.ladders == [policy.ladders["sampled, batch 1"]]
 
 
 @pytest.mark.parametrize("verified", [0, 1, 3, 8])
