@@ -28,9 +28,9 @@ kept: decode tok/s is what a finite batch job of equal-length requests sees, the
 what a server holding `batch` requests sees. drafting_share is the part of decode time spent
 in steps where some request drafted, drafting_vs_plain those steps' tokens/s over the plain
 steps': at a cell where nothing pays, what a speculative engine's tries cost it. Greedy
-outputs of every
-algorithm are checked against NONE's (lossless). Fewer than --num-prompts prompts in the file
-are stretched by cutting each at earlier line ends (distinct, shorter prompts).
+outputs of every algorithm are checked against NONE's (lossless). Fewer than --num-prompts
+prompts in the file are stretched by cutting each at earlier line ends (distinct, shorter
+prompts).
 A cell at batch b runs max(--num-prompts, --min-waves x b) prompts (the prompt list again
 when the file has fewer), so a large batch is measured in its steady state, over enough turns.
 --noise-band adds a second NONE engine (NONE/2) at the batches named: its ratio to NONE is
