@@ -1,0 +1,121 @@
+"""What being a speculative engine costs where speculation does not pay.
+
+    python scripts/bench_plain_cost.py [--batch 64] [--temperature 1] [--num-prompts 512]
+        [--repeats 3] [--algorithms NGRAM DFLASH] [--out docs/bench/bench_plain_cost.json]
+
+Beside NONE and its twin NONE/2 (the noise band), each algorithm runs twice: as the benchmark
+runs it (the adaptive policy, whose verify ladder explores) and pinned to plain decoding
+(ALG/plain: every step plans no draft and is dormant, so the draft's context is never written;
+what is left is the engine's own per-step work: the policy's planning and bookkeeping). The
+same harness as scripts/bench_serving.py: a spare engine built first, engines taking turns of
+bench_serving.TURN_S, a warm-up pass, decode time only, each repeat's ratio to NONE, medians.
+
+ALG/plain against NONE/2 is the engine's per-step cost; ALG against ALG/plain what its ladder's
+tries, its wakes for them and the drains they leave cost. Where both are inside the band NONE/2
+draws, the cell measures no cost at this precision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+from bench_serving import TWIN, cpu_model, load_prompts, run_interleaved
+
+from dspark_launch.engine.build import ASSETS, EngineArgs, build_engine
+from dspark_launch.engine.heap import freeze_heap
+from dspark_launch.engine.inputs import BUILTIN_PROMPTS
+from dspark_launch.engine.params import SamplingParams
+
+PLAIN = "/plain"  # the suffix of an engine pinned to plain decoding
+
+
+def pin_to_plain(engine) -> None:
+    """Every step of this engine plans no draft and leaves its rows out of the draft's
+    context (what a ladder settled at plain decoding does between tries, for ever)."""
+    policy = engine.policy
+
+    def plan(keys, classes, limits, base_tokens):
+        policy.dormant = True
+        return [0] * len(keys)
+
+    policy.pick = lambda classes: 0
+    policy.plan = plan
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--num-prompts", type=int, default=512)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--algorithms", nargs="+", default=["NGRAM", "DFLASH"],
+                    choices=("NGRAM", "DFLASH", "DSPARK"))
+    ap.add_argument("--out", default="docs/bench/bench_plain_cost.json")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+
+    from dspark_launch.args import parse_bytes, resolve_config
+    from dspark_launch.parallel import destroy_parallel_runtime, init_parallel_runtime
+
+    init_parallel_runtime(resolve_config(["--device", "cpu"], world_size=1))
+
+    def build(algorithm: str):
+        return build_engine(EngineArgs(
+            model=str(ASSETS / "target"), speculative_algorithm=algorithm,
+            draft={"DFLASH": str(ASSETS / "dflash"), "DSPARK": str(ASSETS / "dspark")}.get(
+                algorithm), kv_cache_memory=parse_bytes("256MiB"),
+            max_running_requests=args.batch, speculative_policy="adaptive",
+            disable_mixed_chunk=True))
+
+    names = ["NONE", TWIN] + [n for a in args.algorithms for n in (a, a + PLAIN)]
+    ratios: dict[str, list[float]] = {n: [] for n in names}
+    drafting: dict[str, list[float]] = {n: [] for n in names}
+    try:
+        spare = build("NONE")  # the first engine built runs slower (bench_serving.py)
+        engines = {}
+        for name in names:
+            engines[name] = build(name.split("/")[0] if name != TWIN else "NONE")
+            if name.endswith(PLAIN):
+                pin_to_plain(engines[name])
+        freeze_heap()
+        texts = load_prompts(str(BUILTIN_PROMPTS), args.num_prompts)
+        prompts = [spare.tokenizer.encode(t).ids for t in texts]
+        params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature)
+        for rep in range(-args.warmup, args.repeats):
+            done = run_interleaved(engines, prompts, args.batch, params,
+                                   (rep + args.warmup) * len(names) * len(prompts))
+            base = done["NONE"]["decode_tok_s"]
+            line = []
+            for name, r in done.items():
+                if rep >= 0:
+                    ratios[name].append(r["decode_tok_s"] / base)
+                    drafting[name].append(r["drafting_share"] or 0.0)
+                line.append(f"{name} {r['decode_tok_s'] / base:.3f}")
+            label = "warm-up" if rep < 0 else f"repeat {rep}"
+            print(f"{label}: NONE {base:.1f} tok/s; over it: " + ", ".join(line[1:]),
+                  flush=True)
+        for engine in [*engines.values(), spare]:
+            engine.shutdown()
+    finally:
+        destroy_parallel_runtime()
+    out = {"meta": {"cpu": cpu_model(), "torch": torch.__version__, **vars(args)},
+           "results": {n: {"speedup_vs_none": statistics.median(ratios[n]),
+                           "runs": ratios[n], "drafting_share": drafting[n]}
+                       for n in names}}
+    for n in names:
+        print(f"{n:14s} median {statistics.median(ratios[n]):.3f}x NONE  "
+              f"(per repeat {' / '.join(f'{x:.3f}' for x in ratios[n])})")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
