@@ -81,7 +81,7 @@ def main() -> None:
         spare = build("NONE")  # the first engine built runs slower (bench_serving.py)
         engines = {}
         for name in names:
-            engines[name] = build(name.split("/")[0] if name != TWIN else "NONE")
+            engines[name] = build(name.split("/")[0])  # NONE/2 and ALG/plain too
             if name.endswith(PLAIN):
                 pin_to_plain(engines[name])
         freeze_heap()
