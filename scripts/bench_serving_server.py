@@ -1,17 +1,24 @@
-"""Online serving benchmark: open-loop Poisson arrivals against a live server, NONE vs DSPARK.
+"""Online serving benchmark: open-loop Poisson arrivals against live servers, one per algorithm.
 
-    python scripts/bench_serving_server.py [--nproc 2] [--rates 1 2 4 8] [--num-requests 32]
-        [--max-tokens 64] [--algorithms NONE DSPARK] [--out docs/bench/serving_online.json]
-        [--plot docs/bench/serving_online.png] [--url http://127.0.0.1:30000]
+    python scripts/bench_serving_server.py [--nproc 2] [--rates 2 8 16 32] [--num-requests 128]
+        [--repeats 3] [--temperature 0] [--max-tokens 64] [--algorithms NONE DSPARK]
+        [--out docs/bench/serving_online.json] [--plot docs/bench/serving_online.png]
+        [--url http://127.0.0.1:30000]
 
-For each algorithm the script launches `dspark_launch serve` (torchrun with --nproc ranks, or
-a world of one for --nproc 1) on the embedded model, waits for /health, and at each request
-rate sends --num-requests streaming completions whose arrival times are a Poisson process
-(exponential gaps, seeded: both algorithms see the same arrivals and prompts). Open loop: a
-request is sent at its arrival time whether or not earlier ones finished. Per rate it reports
-output throughput (tokens / (last finish - first arrival)), TTFT (arrival -> first streamed
-text) and TPOT ((finish - first token) / (tokens - 1)) p50 and p99, and mean tau from the
-responses' meta_info. With --url the given server is measured instead (one run, no launch).
+The script launches one `dspark_launch serve` per algorithm (torchrun with --nproc ranks, or a
+world of one for --nproc 1) on the embedded model and waits for /health on each. At each
+request rate it sends --num-requests streaming completions whose arrival times are a Poisson
+process (exponential gaps, seeded: every algorithm sees the same arrivals and prompts). Open
+loop: a request is sent at its arrival time whether or not earlier ones finished.
+
+The servers take turns, one rate at a time, in an order that rotates every rate and repeat,
+so a slow spell of a shared machine lands on all of them alike (an idle server waits on its
+queue). One unmeasured pass at the highest rate first lets each server's verify-length policy
+learn, as a long-running server's has. Per rate it reports output throughput (tokens / (last
+finish - first arrival)), TTFT (arrival -> first streamed text) and TPOT ((finish - first
+token) / (tokens - 1)) p50 and p99, and mean tau from the responses' meta_info: the median
+over --repeats, each repeat's values kept in `runs`. With --url the given server is measured
+instead (no launch).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -86,10 +94,10 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def one_request(url: str, prompt: str, max_tokens: int, arrival: float, out: dict) -> None:
+def one_request(url: str, prompt: str, args, arrival: float, out: dict) -> None:
     """Stream one completion; record first-text and finish times (perf_counter)."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    body = {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
+            "stream": True, "ignore_eos": True}
     first = None
     try:
         with requests.post(url + "/v1/completions", json=body, stream=True, timeout=600) as r:
@@ -118,7 +126,7 @@ def run_rate(url: str, prompts: list[str], rate: float, args) -> dict:
     for i, (prompt, gap) in enumerate(zip(prompts, gaps)):
         due += gap if i else 0.0
         time.sleep(max(0.0, due - time.perf_counter()))
-        t = threading.Thread(target=one_request, args=(url, prompt, args.max_tokens,
+        t = threading.Thread(target=one_request, args=(url, prompt, args,
                                                        time.perf_counter(), results[i]))
         t.start()
         threads.append(t)
@@ -168,14 +176,31 @@ def plot(results: dict, path: Path) -> None:
     print(f"wrote {path}")
 
 
+METRICS = ("output_tok_s", "request_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
+           "tpot_p99_s", "mean_tau", "wall_s")
+
+
+def median_row(runs: list[dict]) -> dict:
+    """One rate's repeats -> their medians, each repeat kept in `runs`."""
+    out = {k: runs[0][k] for k in ("rate_req_s", "requests", "output_tokens")}
+    out["errors"] = sum(r["errors"] for r in runs)
+    for k in METRICS:
+        values = [r[k] for r in runs if r[k] is not None]
+        out[k] = statistics.median(values) if values else None
+    out["runs"] = runs
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default=None, help="measure this running server instead")
     ap.add_argument("--nproc", type=int, default=1, help="ranks per server (torchrun if > 1)")
     ap.add_argument("--algorithms", nargs="+", default=["NONE", "DSPARK"])
-    ap.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0])
-    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--rates", type=float, nargs="+", default=[2.0, 8.0, 16.0, 32.0])
+    ap.add_argument("--num-requests", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-running-requests", type=int, default=32)
     ap.add_argument("--kv-cache-memory", default="256MiB")
@@ -189,30 +214,49 @@ def main() -> None:
 
     rows = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line]
     prompts = [rows[i % len(rows)] for i in range(args.num_requests)]
-    results: dict[str, list[dict]] = {}
-    for algorithm in (["server"] if args.url else args.algorithms):
-        proc = None
-        url = args.url
-        if url is None:
-            log = Path(tempfile.gettempdir()) / f"bench_serving_server_{algorithm}.log"
-            proc, url = start_server(args, algorithm, log)
-        try:
-            run_rate(url, prompts[:2], 100.0, args)  # warm-up, not recorded
-            results[algorithm] = []
+    names = ["server"] if args.url else args.algorithms
+    urls: dict[str, str] = {}
+    procs: list[subprocess.Popen] = []
+    runs: dict[str, dict[float, list[dict]]] = {n: {rate: [] for rate in args.rates}
+                                                 for n in names}
+    try:
+        for name in names:
+            if args.url:
+                urls[name] = args.url
+                continue
+            log = Path(tempfile.gettempdir()) / f"bench_serving_server_{name}.log"
+            proc, urls[name] = start_server(args, name, log)
+            procs.append(proc)
+        for name in names:  # warm-up: not recorded
+            run_rate(urls[name], prompts, max(args.rates), args)
+        turn = 0
+        for rep in range(args.repeats):
             for rate in args.rates:
-                r = run_rate(url, prompts, rate, args)
-                results[algorithm].append(r)
-                print(f"{algorithm:7s} rate {rate:5.1f} req/s: {r['output_tok_s'] or 0:7.1f} "
-                      f"tok/s  TTFT p50 {r['ttft_p50_s'] or 0:.3f} p99 {r['ttft_p99_s'] or 0:.3f}"
-                      f" s  TPOT p50 {r['tpot_p50_s'] or 0:.4f} p99 {r['tpot_p99_s'] or 0:.4f} s"
-                      f"  tau {r['mean_tau'] or 0:.2f}  errors {r['errors']}", flush=True)
-        finally:
-            if proc is not None:
-                stop_server(proc)
-    meta = {"nproc": args.nproc, "num_requests": args.num_requests,
-            "max_tokens": args.max_tokens, "threads_per_rank": args.threads,
+                order = names[turn % len(names):] + names[:turn % len(names)]
+                turn += 1
+                for name in order:
+                    r = run_rate(urls[name], prompts, rate, args)
+                    runs[name][rate].append(r)
+                    print(f"repeat {rep} {name:7s} rate {rate:5.1f} req/s: "
+                          f"{r['output_tok_s'] or 0:7.1f} tok/s  TTFT p50 "
+                          f"{r['ttft_p50_s'] or 0:.3f} p99 {r['ttft_p99_s'] or 0:.3f} s  TPOT p50 "
+                          f"{r['tpot_p50_s'] or 0:.4f} p99 {r['tpot_p99_s'] or 0:.4f} s  tau "
+                          f"{r['mean_tau'] or 0:.2f}  errors {r['errors']}", flush=True)
+    finally:
+        for proc in procs:
+            stop_server(proc)
+    results = {name: [median_row(runs[name][rate]) for rate in args.rates] for name in names}
+    for name in names:
+        for r in results[name]:
+            print(f"median {name:7s} rate {r['rate_req_s']:5.1f} req/s: "
+                  f"{r['output_tok_s'] or 0:7.1f} tok/s  TPOT p50 {r['tpot_p50_s'] or 0:.4f} s  "
+                  f"tau {r['mean_tau'] or 0:.2f}")
+    meta = {"nproc": args.nproc, "num_requests": args.num_requests, "repeats": args.repeats,
+            "temperature": args.temperature, "max_tokens": args.max_tokens,
+            "threads_per_rank": args.threads,
             "max_running_requests": args.max_running_requests, "seed": args.seed,
-            "model": "embedded tiny Qwen3 + DSpark draft", "device": "cpu"}
+            "server_args": args.server_args, "model": "embedded tiny Qwen3 + drafts",
+            "device": "cpu"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     print(f"wrote {args.out}")
