@@ -17,9 +17,8 @@ import math
 import statistics
 
 import torch
-from bench_serving import TURN_S, load_prompts, run_interleaved
+from bench_serving import TURN_S, embedded_engine, load_prompts, run_interleaved
 
-from dspark_launch.engine.build import ASSETS, EngineArgs, build_engine
 from dspark_launch.engine.inputs import BUILTIN_PROMPTS
 from dspark_launch.engine.params import SamplingParams
 
@@ -40,20 +39,15 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
 
-    from dspark_launch.args import parse_bytes, resolve_config
+    from dspark_launch.args import resolve_config
     from dspark_launch.parallel import destroy_parallel_runtime, init_parallel_runtime
 
     init_parallel_runtime(resolve_config(["--device", "cpu"], world_size=1))
 
-    def build():
-        return build_engine(EngineArgs(
-            model=str(ASSETS / "target"), speculative_algorithm=args.algorithm,
-            kv_cache_memory=parse_bytes("256MiB"), max_running_requests=args.batch,
-            disable_mixed_chunk=True))
-
     try:
-        spare = None if args.no_spare else build()
-        engines = {f"copy {i}": build() for i in range(args.copies)}
+        spare = None if args.no_spare else embedded_engine(args.algorithm, args.batch)
+        engines = {f"copy {i}": embedded_engine(args.algorithm, args.batch)
+                   for i in range(args.copies)}
         texts = load_prompts(str(BUILTIN_PROMPTS), args.num_prompts)
         prompts = [engines["copy 0"].tokenizer.encode(t).ids for t in texts]
         params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature)

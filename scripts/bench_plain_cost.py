@@ -23,9 +23,8 @@ import statistics
 from pathlib import Path
 
 import torch
-from bench_serving import TWIN, cpu_model, load_prompts, run_interleaved
+from bench_serving import TWIN, cpu_model, embedded_engine, load_prompts, run_interleaved
 
-from dspark_launch.engine.build import ASSETS, EngineArgs, build_engine
 from dspark_launch.engine.heap import freeze_heap
 from dspark_launch.engine.inputs import BUILTIN_PROMPTS
 from dspark_launch.engine.params import SamplingParams
@@ -61,27 +60,21 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
 
-    from dspark_launch.args import parse_bytes, resolve_config
+    from dspark_launch.args import resolve_config
     from dspark_launch.parallel import destroy_parallel_runtime, init_parallel_runtime
 
     init_parallel_runtime(resolve_config(["--device", "cpu"], world_size=1))
-
-    def build(algorithm: str):
-        return build_engine(EngineArgs(
-            model=str(ASSETS / "target"), speculative_algorithm=algorithm,
-            draft={"DFLASH": str(ASSETS / "dflash"), "DSPARK": str(ASSETS / "dspark")}.get(
-                algorithm), kv_cache_memory=parse_bytes("256MiB"),
-            max_running_requests=args.batch, speculative_policy="adaptive",
-            disable_mixed_chunk=True))
 
     names = ["NONE", TWIN] + [n for a in args.algorithms for n in (a, a + PLAIN)]
     ratios: dict[str, list[float]] = {n: [] for n in names}
     drafting: dict[str, list[float]] = {n: [] for n in names}
     try:
-        spare = build("NONE")  # the first engine built runs slower (bench_serving.py)
+        # The first engine built runs slower (bench_serving.py): a spare takes its place.
+        spare = embedded_engine("NONE", args.batch)
         engines = {}
         for name in names:
-            engines[name] = build(name.split("/")[0])  # NONE/2 and ALG/plain too
+            # NONE/2 and ALG/plain are their algorithm's engines too.
+            engines[name] = embedded_engine(name.split("/")[0], args.batch)
             if name.endswith(PLAIN):
                 pin_to_plain(engines[name])
         freeze_heap()

@@ -50,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+from dspark_launch.args import parse_bytes
 from dspark_launch.engine.build import ASSETS, EngineArgs, build_engine
 from dspark_launch.engine.heap import freeze_heap
 from dspark_launch.engine.inputs import BUILTIN_PROMPTS
@@ -59,6 +60,15 @@ from dspark_launch.models.layers.gemm import NEVER
 from dspark_launch.spec.policy import POLICIES
 
 TWIN = "NONE/2"  # a second plain-decoding engine: the noise band (--noise-band)
+
+
+def embedded_engine(algorithm: str, batch: int):
+    """The embedded model (and the algorithm's embedded draft) as the side scripts run it:
+    the default adaptive policy, a 256 MiB KV budget, at most `batch` requests, and prefills
+    in steps of their own (the benchmarks time decode steps only)."""
+    return build_engine(EngineArgs(speculative_algorithm=algorithm,
+                                   kv_cache_memory=parse_bytes("256MiB"),
+                                   max_running_requests=batch, disable_mixed_chunk=True))
 
 
 def cpu_model() -> str:
@@ -279,7 +289,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from dspark_launch.args import parse_bytes, resolve_config
+    from dspark_launch.args import resolve_config
     from dspark_launch.parallel import destroy_parallel_runtime, init_parallel_runtime
 
     init_parallel_runtime(resolve_config(["--device", args.device], world_size=1))

@@ -26,10 +26,9 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from bench_serving import cpu_model, load_prompts, run_interleaved
+from bench_serving import cpu_model, embedded_engine, load_prompts, run_interleaved
 
-from dspark_launch.args import parse_bytes, resolve_config
-from dspark_launch.engine.build import EngineArgs, build_engine
+from dspark_launch.args import resolve_config
 from dspark_launch.engine.heap import freeze_heap
 from dspark_launch.engine.inputs import BUILTIN_PROMPTS
 from dspark_launch.engine.params import SamplingParams
@@ -75,14 +74,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     init_parallel_runtime(resolve_config(["--device", "cpu"], world_size=1))
 
-    def build(algorithm: str):
-        return build_engine(EngineArgs(
-            speculative_algorithm=algorithm, kv_cache_memory=parse_bytes("256MiB"),
-            max_running_requests=args.batch, disable_mixed_chunk=True))
-
     try:
-        spare = build("NONE")  # the first engine built runs slower (bench_serving.py)
-        engines = {"NONE": build("NONE"), args.algorithm: build(args.algorithm)}
+        # The first engine built runs slower (bench_serving.py): a spare takes its place.
+        spare = embedded_engine("NONE", args.batch)
+        engines = {name: embedded_engine(name, args.batch) for name in ("NONE", args.algorithm)}
         force_alternation(engines[args.algorithm], args.cap, args.run)
         freeze_heap()
         # (engine, drafted, place in its run) -> per step (seconds told, tokens)
