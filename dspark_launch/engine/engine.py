@@ -164,6 +164,11 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
 
+    # Inference mode, not just no_grad: a step is ~1,000 small eager ops, and inference mode
+    # skips their autograd and version-counter bookkeeping (plain decoding of the embedded
+    # model at batch 1, CPU: 16% more tokens/s; DSpark rounds 8%). Tensors a step creates are
+    # inference tensors: only later steps, also in this mode, update them in place.
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """One lockstep step on every rank -> the same outputs on every rank: one per request
         (any group) that committed tokens or finished. Idle: returns [] after at most

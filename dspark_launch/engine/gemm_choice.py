@@ -181,6 +181,7 @@ def _measured(engine, plan: PackPlan, clock: Callable[[], float]) -> tuple[int, 
     if cached is not None:
         return cached, "cache"
 
+    @torch.inference_mode()  # as the step runs (Engine.step)
     def run(n: int) -> None:
         engine.target.greedy(profile_forward(engine, n, _block(engine, n)))
 

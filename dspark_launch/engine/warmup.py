@@ -25,6 +25,7 @@ from dspark_launch.memory.transients import StepShape
 from dspark_launch.parallel import get_parallel
 
 
+@torch.inference_mode()  # allocates as the step does (Engine.step)
 def largest_batch_step(target, proposer, memory, backend, shape: StepShape) -> bool:
     """Run the step's allocations once at `shape`; False (nothing run) when the pools or the
     request table cannot hold that batch."""
@@ -64,6 +65,7 @@ def _run(target, proposer, memory, backend, shape: StepShape, slots: list[int],
     del hidden, captured, q, probs
 
 
+@torch.inference_mode()  # timed as the step runs (Engine.step)
 def profile_forward(engine, n: int, block: int | None = None) -> torch.Tensor:
     """One real target forward of n tokens on every rank (each group forwards n), shaped like
     a decode step: requests of one verify block each (or of `block` tokens), in fresh request
@@ -93,11 +95,13 @@ def profile_forward(engine, n: int, block: int | None = None) -> torch.Tensor:
 
 def conditions(engine) -> dict:
     """What a start-up timing of the target forward depends on: the processor, torch and its
-    threads, the topology, the dtype, the attention backend and the target's shape."""
+    threads, the topology, the dtype, the attention backend, the target's shape, and the
+    autograd mode the step runs in (timings cached before the step ran in inference mode were
+    up to 16% slower than its forwards now are)."""
     state, c = get_parallel(), engine.target.config
     return {"device": device_name(engine.device), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "world": state.world_size, "tp": state.tp_size,
             "attn_dp": state.attn_dp_size, "dtype": str(engine.target.dtype),
-            "backend": engine.backend.name,
+            "backend": engine.backend.name, "grad_mode": "inference",
             "model": [c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size,
                       c.num_attention_heads, c.num_key_value_heads, c.head_dim]}
