@@ -4,7 +4,7 @@
         [--num-prompts 128] [--min-waves 8] [--batches 16] [--temperatures 0 1] [--repeats 3]
         [--warmup 1] [--algorithms NONE NGRAM DFLASH DSPARK] [--noise-band BATCH ...]
         [--max-new-tokens 64]
-        [--out docs/bench/bench_serving.json] [--plot docs/bench/bench_serving.png]
+        [--out docs/bench/bench_serving.json] [--plot PNG (default: --out's name, .png)]
 
 A world of one (tp1, CPU by default, --threads 1). For each algorithm and batch size one engine
 is built; for each temperature and repeat the prompts run at a concurrency of `batch` (a new
@@ -285,7 +285,9 @@ def main() -> None:
                     help="intra-op threads (default 1: on a small or shared CPU more threads "
                     "mostly spin against each other)")
     ap.add_argument("--out", default="docs/bench/bench_serving.json")
-    ap.add_argument("--plot", default="docs/bench/bench_serving.png")
+    ap.add_argument("--plot", default=None,
+                    help="the plot's path (default: --out's, with .png: a run's JSON and plot "
+                    "stay together)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -413,8 +415,7 @@ def main() -> None:
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results,
                                           "warmup": warmups, "ladders": ladders}, indent=2))
     print(f"wrote {args.out}")
-    if args.plot:
-        plot(results, Path(args.plot))
+    plot(results, Path(args.plot) if args.plot else Path(args.out).with_suffix(".png"))
 
 
 if __name__ == "__main__":

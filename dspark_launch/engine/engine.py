@@ -165,9 +165,10 @@ class Engine:
     # ------------------------------------------------------------------ the step
 
     # Inference mode, not just no_grad: a step is ~1,000 small eager ops, and inference mode
-    # skips their autograd and version-counter bookkeeping (plain decoding of the embedded
-    # model at batch 1, CPU: 16% more tokens/s; DSpark rounds 8%). Tensors a step creates are
-    # inference tensors: only later steps, also in this mode, update them in place.
+    # skips their autograd and version-counter bookkeeping (the embedded model on one CPU
+    # thread, greedy: NONE +11.6% decode tokens/s and DSpark +8.2% at batch 1, +6.0% and
+    # +3.0% at batch 16; scripts/bench_grad_mode.py). Tensors a step creates are inference
+    # tensors: only later steps, also in this mode, update them in place.
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """One lockstep step on every rank -> the same outputs on every rank: one per request

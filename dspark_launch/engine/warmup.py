@@ -97,7 +97,7 @@ def conditions(engine) -> dict:
     """What a start-up timing of the target forward depends on: the processor, torch and its
     threads, the topology, the dtype, the attention backend, the target's shape, and the
     autograd mode the step runs in (timings cached before the step ran in inference mode were
-    up to 16% slower than its forwards now are)."""
+    up to 12% slower than its forwards now are)."""
     state, c = get_parallel(), engine.target.config
     return {"device": device_name(engine.device), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "world": state.world_size, "tp": state.tp_size,
