@@ -23,11 +23,9 @@ import types
 from pathlib import Path
 
 import torch
-from bench_serving import cpu_model, embedded_engine, load_prompts, run_interleaved
+from bench_serving import cpu_model, side_by_side
 
 from dspark_launch.engine.engine import Engine
-from dspark_launch.engine.heap import freeze_heap
-from dspark_launch.engine.inputs import BUILTIN_PROMPTS
 from dspark_launch.engine.params import SamplingParams
 
 GRAD = "/grad"  # the suffix of an engine whose step runs under no_grad only
@@ -62,20 +60,14 @@ def main() -> None:
     names = [n for a in args.algorithms for n in (a, a + GRAD)]
     tok_s: dict[str, list[float]] = {n: [] for n in names}
     try:
-        # The first engine built runs slower (bench_serving.py): a spare takes its place.
-        spare = embedded_engine("NONE", args.batch)
-        engines = {}
-        for name in names:
-            engines[name] = embedded_engine(name.split("/")[0], args.batch)
-            if name.endswith(GRAD):
-                step_without_inference_mode(engines[name])
-        freeze_heap()
-        texts = load_prompts(str(BUILTIN_PROMPTS), args.num_prompts)
-        prompts = [spare.tokenizer.encode(t).ids for t in texts]
         params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature)
-        for rep in range(-args.warmup, args.repeats):
-            done = run_interleaved(engines, prompts, args.batch, params,
-                                   (rep + args.warmup) * len(names) * len(prompts))
+
+        def adjust(name: str, engine) -> None:
+            if name.endswith(GRAD):
+                step_without_inference_mode(engine)
+
+        for rep, done in side_by_side(names, args.batch, args.num_prompts, params, args.warmup,
+                                      args.repeats, adjust):
             if rep >= 0:
                 for name, r in done.items():
                     tok_s[name].append(r["decode_tok_s"])
@@ -83,8 +75,6 @@ def main() -> None:
             print(f"{label}: " + ", ".join(f"{n} {r['decode_tok_s']:.1f}"
                                            for n, r in done.items()) + " decode tok/s",
                   flush=True)
-        for engine in [*engines.values(), spare]:
-            engine.shutdown()
     finally:
         destroy_parallel_runtime()
 

@@ -23,10 +23,8 @@ import statistics
 from pathlib import Path
 
 import torch
-from bench_serving import TWIN, cpu_model, embedded_engine, load_prompts, run_interleaved
+from bench_serving import TWIN, cpu_model, side_by_side
 
-from dspark_launch.engine.heap import freeze_heap
-from dspark_launch.engine.inputs import BUILTIN_PROMPTS
 from dspark_launch.engine.params import SamplingParams
 
 PLAIN = "/plain"  # the suffix of an engine pinned to plain decoding
@@ -69,21 +67,14 @@ def main() -> None:
     ratios: dict[str, list[float]] = {n: [] for n in names}
     drafting: dict[str, list[float]] = {n: [] for n in names}
     try:
-        # The first engine built runs slower (bench_serving.py): a spare takes its place.
-        spare = embedded_engine("NONE", args.batch)
-        engines = {}
-        for name in names:
-            # NONE/2 and ALG/plain are their algorithm's engines too.
-            engines[name] = embedded_engine(name.split("/")[0], args.batch)
-            if name.endswith(PLAIN):
-                pin_to_plain(engines[name])
-        freeze_heap()
-        texts = load_prompts(str(BUILTIN_PROMPTS), args.num_prompts)
-        prompts = [spare.tokenizer.encode(t).ids for t in texts]
         params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature)
-        for rep in range(-args.warmup, args.repeats):
-            done = run_interleaved(engines, prompts, args.batch, params,
-                                   (rep + args.warmup) * len(names) * len(prompts))
+
+        def adjust(name: str, engine) -> None:  # NONE/2 is a NONE engine, ALG/plain an ALG one
+            if name.endswith(PLAIN):
+                pin_to_plain(engine)
+
+        for rep, done in side_by_side(names, args.batch, args.num_prompts, params, args.warmup,
+                                      args.repeats, adjust):
             base = done["NONE"]["decode_tok_s"]
             line = []
             for name, r in done.items():
@@ -94,8 +85,6 @@ def main() -> None:
             label = "warm-up" if rep < 0 else f"repeat {rep}"
             print(f"{label}: NONE {base:.1f} tok/s; over it: " + ", ".join(line[1:]),
                   flush=True)
-        for engine in [*engines.values(), spare]:
-            engine.shutdown()
     finally:
         destroy_parallel_runtime()
     out = {"meta": {"cpu": cpu_model(), "torch": torch.__version__, **vars(args)},

@@ -46,6 +46,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -205,6 +206,31 @@ def run_interleaved(engines: dict, prompts: list[list[int]], batch: int,
                 order.remove(name)
         order = order[1:] + order[:1]
     return {name: results[name] for name in engines}
+
+
+def side_by_side(names: list[str], batch: int, num_prompts: int, params: SamplingParams,
+                 warmup: int, repeats: int, adjust: Callable[[str, object], None] | None = None):
+    """The side scripts' harness: a spare NONE engine built first (the first engine built runs
+    slower) and one embedded engine per name (its algorithm: the name up to any "/", then
+    `adjust(name, engine)`), then `warmup` + `repeats` passes of run_interleaved over the
+    built-in prompts, each with fresh request indices. Yields (pass, results), pass < 0 for a
+    warm-up; every engine is shut down at the end."""
+    spare = embedded_engine("NONE", batch)
+    engines = {}
+    for name in names:
+        engines[name] = embedded_engine(name.split("/")[0], batch)
+        if adjust is not None:
+            adjust(name, engines[name])
+    freeze_heap()
+    texts = load_prompts(str(BUILTIN_PROMPTS), num_prompts)
+    prompts = [spare.tokenizer.encode(t).ids for t in texts]
+    try:
+        for rep in range(-warmup, repeats):
+            yield rep, run_interleaved(engines, prompts, batch, params,
+                                       (rep + warmup) * len(names) * len(prompts))
+    finally:
+        for engine in [*engines.values(), spare]:
+            engine.shutdown()
 
 
 def median_of(runs: list[dict]) -> dict:
