@@ -217,20 +217,20 @@ def prompt_ids(prompts: Path) -> list[list[int]]:
 
 class Probe:
     """Installed on each rank before main(): a subclass of the engine that records its state
-    when the job shuts it down, and the acceptance calls (what each verify could accept)."""
+    when the job shuts it down, and what each step verified: per decode request its drafts
+    and how many were accepted (plain steps too: 0 drafts)."""
 
     def install(self) -> None:
-        import dspark_launch.engine.accept as accept_mod
         import dspark_launch.engine.build as build_mod
+        import dspark_launch.engine.engine as engine_mod
 
         self._saved = [(build_mod, "Engine", build_mod.Engine),
-                       (accept_mod, "greedy_accept", accept_mod.greedy_accept),
-                       (accept_mod, "rejection_accept", accept_mod.rejection_accept)]
+                       (engine_mod, "accept", engine_mod.accept)]
         self.after: dict = {}
         self.verifies: list[tuple[int, int, int]] = []  # (step, draft_len, accept_len)
         probe = self
         base = build_mod.Engine
-        real_greedy, real_rejection = accept_mod.greedy_accept, accept_mod.rejection_accept
+        real_accept = engine_mod.accept
 
         class ProbeEngine(base):
             def __init__(self, *args, **kwargs):
@@ -260,23 +260,14 @@ class Probe:
                 }
                 super().shutdown()
 
-        def record(draft_lens, accept_len):
-            for n, a_len in zip(draft_lens.tolist(), accept_len.tolist()):
+        def recording_accept(target, layout, *args):
+            done = real_accept(target, layout, *args)
+            for n, a_len in zip(layout.widths, done.accept_len.tolist()):
                 probe.verifies.append((probe.step, n, a_len))
-
-        def recording_greedy(drafts, draft_lens, target_tokens):
-            acc, bonus = real_greedy(drafts, draft_lens, target_tokens)
-            record(draft_lens, acc)
-            return acc, bonus
-
-        def recording_rejection(drafts, draft_lens, *args):
-            acc, nxt = real_rejection(drafts, draft_lens, *args)
-            record(draft_lens, acc)
-            return acc, nxt
+            return done
 
         build_mod.Engine = ProbeEngine
-        accept_mod.greedy_accept = recording_greedy
-        accept_mod.rejection_accept = recording_rejection
+        engine_mod.accept = recording_accept
         self.step = -1
 
     def uninstall(self) -> None:

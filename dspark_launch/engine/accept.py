@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark_launch.attention import upload
-from dspark_launch.spec.keyed import ACCEPT, SAMPLE, uniforms
+from dspark_launch.spec.keyed import ACCEPT, SAMPLE, salt, uniforms
 from dspark_launch.spec.proposer import Proposal
 from dspark_launch.spec.sampling import SamplingRows, draw, target_probs
 from dspark_launch.spec.verify import committed_tokens, greedy_accept, rejection_accept
@@ -86,31 +86,59 @@ def accept(target, layout: LogitRows, proposal: Proposal | None, hidden: torch.T
            stop_ids: Callable) -> Verified:
     """hidden [T, d] of the verify forward -> Verified (device tensors only)."""
     device = hidden.device
-    w, n_dec, n_first = layout.width, len(layout.widths), layout.n_first
-    block_rows = layout.block_rows(device)  # [R, W]
+    w, n_first = layout.width, layout.n_first
     owners = layout.owners
     rows = SamplingRows.build([r.params for r in owners], [r.key for r in owners],
                               layout.positions, device)
     bans = layout.bans(stop_ids, device)
-    drafts = (proposal.tokens[:, :w - 1] if proposal is not None
-              else torch.zeros((n_dec, 0), dtype=torch.int64, device=device))  # [R, W-1]
-    draft_lens = upload(layout.widths, torch.int64, device)
     picked = hidden if len(layout.forward_rows) == hidden.shape[0] else \
         hidden[upload(layout.forward_rows, torch.int64, device)]
-    if rows.all_greedy and bans is None:
+    greedy = rows.all_greedy and bans is None
+    if w == 1:
+        # No draft to test (plain decoding, prefill): each row's token is its own argmax or
+        # draw, what acceptance over empty blocks reduces to, without its ~20 operations.
+        if greedy:
+            return _untested(target.greedy(picked), n_first)
+        p = _probs(target, picked, rows, bans)
+        return _untested(draw(p, uniforms(rows.keys, rows.positions, SAMPLE)), n_first)
+    block_rows = layout.block_rows(device)  # [R, W]
+    drafts = proposal.tokens[:, :w - 1]  # [R, W-1]
+    draft_lens = upload(layout.widths, torch.int64, device)
+    if greedy:
         # Greedy fast path: argmax over the vocab shards, no softmax, no gathered row.
         best = target.greedy(picked)  # [N]
         accept_len, nxt = greedy_accept(drafts, draft_lens, best[block_rows])
         return Verified(best[:n_first], accept_len, committed_tokens(drafts, accept_len, nxt))
-    logits = target.logits(picked).float()  # [N, V]
-    if bans is not None:
-        logits[bans] = float("-inf")
-    p = target_probs(logits, rows)  # [N, V]
-    u_sample = uniforms(rows.keys, rows.positions, SAMPLE)  # [N]
-    q = proposal.q[:, :w - 1] if proposal is not None and proposal.q is not None else None
-    u_accept = uniforms(rows.keys[block_rows[:, :w - 1]], rows.positions[block_rows[:, :w - 1]],
-                        ACCEPT)  # [R, W-1]
+    p = _probs(target, picked, rows, bans)  # [N, V]
+    u_sample, u_accept = _step_uniforms(rows, block_rows[:, :w - 1])
+    q = proposal.q[:, :w - 1] if proposal.q is not None else None
     accept_len, nxt = rejection_accept(drafts, draft_lens, q, p[block_rows], u_accept,
                                        u_sample[block_rows])
     return Verified(draw(p[:n_first], u_sample[:n_first]), accept_len,
                     committed_tokens(drafts, accept_len, nxt))
+
+
+def _untested(tokens: torch.Tensor, n_first: int) -> Verified:
+    """tokens [N], one per logit row, none of them after a draft -> Verified."""
+    return Verified(tokens[:n_first], torch.zeros_like(tokens[n_first:]), tokens[n_first:, None])
+
+
+def _probs(target, picked: torch.Tensor, rows: SamplingRows,
+           bans: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:  # [N, V]
+    logits = target.logits(picked).float()  # [N, V]
+    if bans is not None:
+        logits[bans] = float("-inf")
+    return target_probs(logits, rows)
+
+
+def _step_uniforms(rows: SamplingRows, tested: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One hash call for a verify's draws: SAMPLE at every logit row [N], ACCEPT at the logit
+    rows whose drafts are tested ([R, K], indices into the rows). A call is ~20 small
+    operations whatever its size, so two purposes share it."""
+    n, (r, k) = rows.n, tested.shape
+    keys = torch.cat([rows.keys, rows.keys[tested].reshape(-1)])
+    positions = torch.cat([rows.positions, rows.positions[tested].reshape(-1)])
+    salts = upload([salt(SAMPLE)] * n + [salt(ACCEPT)] * (r * k), torch.int64, keys.device)
+    u = uniforms(keys, positions, salts)
+    return u[:n], u[n:].reshape(r, k)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dspark_launch.spec.block_drafter import confident_length
-from dspark_launch.spec.keyed import ACCEPT, DRAFT, SAMPLE, request_key, uniforms
+from dspark_launch.spec.keyed import ACCEPT, DRAFT, SAMPLE, request_key, salt, uniforms
 from dspark_launch.spec.ngram import lookup
 from dspark_launch.spec.sampling import draw, probs_from_logits
 from dspark_launch.spec.verify import greedy_accept, rejection_accept
@@ -108,6 +108,40 @@ def test_keyed_uniforms_are_uniform_and_keyed():
     # A request's own seed keys it regardless of its index or the engine seed.
     assert request_key(0, 3, 42) == request_key(9, 11, 42) != request_key(0, 3, 43)
     assert request_key(0, 3, None) != request_key(0, 4, None)
+
+
+def _murmur_uniform(key: int, position: int, purpose: int) -> float:
+    """The keyed uniform in Python integers (no overflow anywhere): the oracle."""
+    def fmix(h: int) -> int:
+        h ^= h >> 16
+        h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+        h ^= h >> 13
+        h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+        return h ^ (h >> 16)
+
+    h = fmix((key + position * 0x9E3779B1) & 0xFFFFFFFF)
+    h = fmix(h ^ ((purpose * 0x632BE5AB) & 0xFFFFFFFF))
+    return ((h >> 9) * 2 + 1) / 2**24
+
+
+def test_keyed_uniforms_equal_python_integers():
+    """The tensor hash lets 32-bit products wrap in int64 (past 2^63 for large operands): its
+    draws must equal exact integer arithmetic, extremes included, for a purpose given once or
+    per element (salt)."""
+    gen = torch.Generator().manual_seed(5)
+    keys = torch.randint(0, 2**32, (2000,), generator=gen, dtype=torch.int64)
+    positions = torch.randint(0, 2**32, (2000,), generator=gen, dtype=torch.int64)
+    positions[:500] = torch.arange(500)  # real output positions are small
+    keys[-4:] = torch.tensor([0, 1, 2**32 - 1, 2**31])
+    positions[-4:] = torch.tensor([2**32 - 1, 2**32 - 2, 2**32 - 1, 0])
+    purposes = torch.randint(1, 4, (2000,), generator=gen)
+    want = [[_murmur_uniform(k, p, purpose) for k, p in zip(keys.tolist(), positions.tolist())]
+            for purpose in (DRAFT, ACCEPT, SAMPLE)]
+    for purpose, expected in zip((DRAFT, ACCEPT, SAMPLE), want):
+        assert uniforms(keys, positions, purpose).tolist() == expected
+    salts = torch.tensor([salt(int(x)) for x in purposes])
+    mixed = [want[int(x) - 1][i] for i, x in enumerate(purposes)]
+    assert uniforms(keys, positions, salts).tolist() == mixed
 
 
 def test_rejection_sampling_is_lossless_on_toy_p_q():
