@@ -142,6 +142,8 @@ def test_keyed_uniforms_equal_python_integers():
     salts = torch.tensor([salt(int(x)) for x in purposes])
     mixed = [want[int(x) - 1][i] for i, x in enumerate(purposes)]
     assert uniforms(keys, positions, salts).tolist() == mixed
+    # Small positions in int32 (a product of two 32-bit values must not wrap at 32 bits).
+    assert uniforms(keys[:500], positions[:500].to(torch.int32), SAMPLE).tolist() == want[2][:500]
 
 
 def test_rejection_sampling_is_lossless_on_toy_p_q():
