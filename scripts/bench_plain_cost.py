@@ -1,7 +1,9 @@
-"""What being a speculative engine costs where speculation does not pay.
+"""What being a speculative engine costs where speculation does not pay, and what each fixed
+verify cap would make of the cell.
 
     python scripts/bench_plain_cost.py [--batch 64] [--temperature 1] [--num-prompts 512]
-        [--repeats 3] [--algorithms NGRAM DFLASH] [--out docs/bench/bench_plain_cost.json]
+        [--repeats 3] [--algorithms NGRAM DFLASH] [--caps 0 ...]
+        [--out docs/bench/bench_plain_cost.json]
 
 Beside NONE and its twin NONE/2 (the noise band), each algorithm runs twice: as the benchmark
 runs it (the adaptive policy, whose verify ladder explores) and pinned to plain decoding
@@ -13,6 +15,13 @@ bench_serving.TURN_S, a warm-up pass, decode time only, each repeat's ratio to N
 ALG/plain against NONE/2 is the engine's per-step cost; ALG against ALG/plain what its ladder's
 tries, its wakes for them and the drains they leave cost. Where both are inside the band NONE/2
 draws, the cell measures no cost at this precision.
+
+--caps adds, per algorithm and cap c >= 1, ALG/c: pinned to the ladder's arm "at most c drafts
+per request, every request" for every step (no tries, no model). The best of them is what the
+ladder could reach in the cell at best with one arm (its arms are these caps, and the model
+within them): a cell where no ALG/c clears NONE/2's band is a tie at plain decoding for any
+fixed verify length on this machine, and one where some ALG/c beats ALG by more than the band
+is speed the ladder left.
 """
 
 from __future__ import annotations
@@ -26,21 +35,36 @@ import torch
 from bench_serving import TWIN, cpu_model, side_by_side
 
 from dspark_launch.engine.params import SamplingParams
+from dspark_launch.spec.ladder import Ladder
 
 PLAIN = "/plain"  # the suffix of an engine pinned to plain decoding
 
 
-def pin_to_plain(engine) -> None:
-    """Every step of this engine plans no draft and leaves its rows out of the draft's
-    context (what a ladder settled at plain decoding does between tries, for ever)."""
+def pin(engine, cap: int) -> None:
+    """Every step of this engine plays one arm of the ladder. At cap 0 no step drafts and each
+    is dormant, its rows left out of the draft's context (what a ladder settled at plain
+    decoding does between tries, for ever). At cap c >= 1 each request verifies at most c
+    drafts: every ladder of the policy is a one-arm ladder at (c, model off) that never moves,
+    so the step runs the policy's own planning and bookkeeping of that arm."""
     policy = engine.policy
+    if cap == 0:
+        def plan(keys, classes, limits, base_tokens):
+            policy.dormant = True
+            return [0] * len(keys)
 
-    def plan(keys, classes, limits, base_tokens):
-        policy.dormant = True
-        return [0] * len(keys)
+        policy.pick = lambda classes: 0
+        policy.plan = plan
+        return
+    ladders: dict[str, Ladder] = {}
+    policy._ladder = lambda cls, requests: ladders.setdefault(cls, Ladder.single(cap, False))
 
-    policy.pick = lambda classes: 0
-    policy.plan = plan
+
+def pinned_cap(name: str) -> int | None:
+    """ALG/plain -> 0, ALG/c -> c; None for an engine that runs as the benchmark runs it."""
+    if name.endswith(PLAIN):
+        return 0
+    tail = name.partition("/")[2]
+    return int(tail) if tail.isdigit() and not name.startswith("NONE") else None
 
 
 def main() -> None:
@@ -54,8 +78,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--algorithms", nargs="+", default=["NGRAM", "DFLASH"],
                     choices=("NGRAM", "DFLASH", "DSPARK"))
+    ap.add_argument("--caps", nargs="+", type=int, default=[0],
+                    help="pinned arms per algorithm (0: ALG/plain; c >= 1: ALG/c)")
     ap.add_argument("--out", default="docs/bench/bench_plain_cost.json")
     args = ap.parse_args()
+    if any(c < 0 for c in args.caps):
+        ap.error(f"--caps {args.caps}: a cap is a number of drafts, 0 (plain) or more")
     torch.set_num_threads(1)
 
     from dspark_launch.args import resolve_config
@@ -63,15 +91,18 @@ def main() -> None:
 
     init_parallel_runtime(resolve_config(["--device", "cpu"], world_size=1))
 
-    names = ["NONE", TWIN] + [n for a in args.algorithms for n in (a, a + PLAIN)]
+    names = ["NONE", TWIN] + [n for a in args.algorithms for n in
+                              (a, *(a + (PLAIN if c == 0 else f"/{c}")
+                                    for c in sorted(set(args.caps))))]
     ratios: dict[str, list[float]] = {n: [] for n in names}
     drafting: dict[str, list[float]] = {n: [] for n in names}
+    taus: dict[str, list[float]] = {n: [] for n in names}
     try:
         params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature)
 
-        def adjust(name: str, engine) -> None:  # NONE/2 is a NONE engine, ALG/plain an ALG one
-            if name.endswith(PLAIN):
-                pin_to_plain(engine)
+        def adjust(name: str, engine) -> None:  # NONE/2 is a NONE engine, ALG/c an ALG one
+            if (cap := pinned_cap(name)) is not None:
+                pin(engine, cap)
 
         for rep, done in side_by_side(names, args.batch, args.num_prompts, params, args.warmup,
                                       args.repeats, adjust):
@@ -81,6 +112,7 @@ def main() -> None:
                 if rep >= 0:
                     ratios[name].append(r["decode_tok_s"] / base)
                     drafting[name].append(r["drafting_share"] or 0.0)
+                    taus[name].append(r["tau"] or 1.0)
                 line.append(f"{name} {r['decode_tok_s'] / base:.3f}")
             label = "warm-up" if rep < 0 else f"repeat {rep}"
             print(f"{label}: NONE {base:.1f} tok/s; over it: " + ", ".join(line[1:]),
@@ -89,10 +121,12 @@ def main() -> None:
         destroy_parallel_runtime()
     out = {"meta": {"cpu": cpu_model(), "torch": torch.__version__, **vars(args)},
            "results": {n: {"speedup_vs_none": statistics.median(ratios[n]),
-                           "runs": ratios[n], "drafting_share": drafting[n]}
+                           "runs": ratios[n], "drafting_share": drafting[n],
+                           "tau": statistics.median(taus[n])}
                        for n in names}}
     for n in names:
-        print(f"{n:14s} median {statistics.median(ratios[n]):.3f}x NONE  "
+        print(f"{n:14s} median {statistics.median(ratios[n]):.3f}x NONE, "
+              f"tau {statistics.median(taus[n]):.2f}  "
               f"(per repeat {' / '.join(f'{x:.3f}' for x in ratios[n])})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
