@@ -21,7 +21,9 @@ per request, every request" for every step (no tries, no model). The best of the
 ladder could reach in the cell at best with one arm (its arms are these caps, and the model
 within them): a cell where no ALG/c clears NONE/2's band is a tie at plain decoding for any
 fixed verify length on this machine, and one where some ALG/c beats ALG by more than the band
-is speed the ladder left.
+is speed the ladder left. Each pinned engine's verify lengths go into the JSON
+(verified_lengths: request-rounds per number of drafts verified), and a run in which one
+exceeded its cap writes nothing.
 """
 
 from __future__ import annotations
@@ -97,12 +99,14 @@ def main() -> None:
     ratios: dict[str, list[float]] = {n: [] for n in names}
     drafting: dict[str, list[float]] = {n: [] for n in names}
     taus: dict[str, list[float]] = {n: [] for n in names}
+    pinned: dict[str, object] = {}  # name -> its engine (its policy's metrics outlive it)
     try:
         params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature)
 
         def adjust(name: str, engine) -> None:  # NONE/2 is a NONE engine, ALG/c an ALG one
             if (cap := pinned_cap(name)) is not None:
                 pin(engine, cap)
+                pinned[name] = engine
 
         for rep, done in side_by_side(names, args.batch, args.num_prompts, params, args.warmup,
                                       args.repeats, adjust):
@@ -119,10 +123,19 @@ def main() -> None:
                   flush=True)
     finally:
         destroy_parallel_runtime()
+    # Each pinned engine's drafts verified per request-round, warm-up included: the check
+    # that the pin held (a round may verify fewer near max_tokens, never more).
+    lengths = {n: dict(sorted(e.policy.metrics.lengths.items())) for n, e in pinned.items()}
+    for n, seen in lengths.items():
+        if max(seen, default=0) > pinned_cap(n):
+            raise SystemExit(f"{n}: a round verified {max(seen)} drafts, above its cap "
+                             f"{pinned_cap(n)} (lengths {seen}): the pin did not hold; "
+                             f"nothing written")
     out = {"meta": {"cpu": cpu_model(), "torch": torch.__version__, **vars(args)},
            "results": {n: {"speedup_vs_none": statistics.median(ratios[n]),
                            "runs": ratios[n], "drafting_share": drafting[n],
-                           "tau": statistics.median(taus[n])}
+                           "tau": statistics.median(taus[n]),
+                           **({"verified_lengths": lengths[n]} if n in lengths else {})}
                        for n in names}}
     for n in names:
         print(f"{n:14s} median {statistics.median(ratios[n]):.3f}x NONE, "
