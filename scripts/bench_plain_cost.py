@@ -50,6 +50,8 @@ def pin(engine, cap: int) -> None:
     so the step runs the policy's own planning and bookkeeping of that arm."""
     policy = engine.policy
     if cap == 0:
+        # Not a one-arm ladder at cap 0: a ladder goes dormant only when no neighbour is due
+        # (Ladder.quiet), and one without neighbours never would; its rows would be written.
         def plan(keys, classes, limits, base_tokens):
             policy.dormant = True
             return [0] * len(keys)
