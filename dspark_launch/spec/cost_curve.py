@@ -25,8 +25,9 @@ import numpy as np
 
 from dspark_launch import disk_cache
 
-CURVE_VERSION = 2  # 2: a slow point is lowered to the next one's time (profile()); curves
-# cached before, which raised later points to a slow one, are profiled again
+CURVE_VERSION = 3  # 2: a slow point is lowered to the next one's time (profile()); curves
+# cached before, which raised later points to a slow one, are profiled again. 3: the points
+# are timed in turns (profile()); curves timed point by point are profiled again
 MIN_SECONDS = 1e-6  # a forward never takes less; keeps 1/seconds finite
 OUTLIER_RATIO = 2.0  # an observation counts as at most this factor off the prediction ...
 OUTLIER_AFTER = 8  # ... once the curve has this many observations
@@ -186,23 +187,30 @@ def profile(
     repeats: int = 4,
     clock: Callable[[], float] = time.perf_counter,
 ) -> CostCurve:
-    """Time the forward at each token count: one warm-up, then the fastest of `repeats` runs
-    (on a shared machine the noise only ever adds time).
+    """Time the forward at each token count: one warm-up each, then `repeats` rounds over
+    all the points, the fastest of each point's runs (on a shared machine the noise only ever
+    adds time).
+
+    In rounds, not point by point: a slow spell of a shared machine then lands on every
+    point alike, scaling the curve (which the online refinement corrects), where timed point
+    by point it took all the runs of one point and bent the curve's shape, which nothing
+    corrects for a width the policy then never runs (a cached batch-1 profile read 5.40 ms
+    from 1 to 8 tokens and 8.14 ms at 9, where 9 tokens ran 4.3 ms: DSpark's cost model never
+    verified 8 drafts, and the curve's point at 9 was never observed).
 
     The number of forwards is fixed (no time budget), so every rank of a world runs the same
-    sequence of collectives; a handful of points x 4 forwards stays within a few seconds.
+    sequence of collectives; a handful of points x 5 forwards stays within a few seconds.
     Under DP attention `run_forward` must make every rank join, exactly like a real step."""
     if not points:
         raise ValueError("profile needs at least one token count")
-    times: list[float] = []
     for n in points:
         run_forward(n)  # warm-up: first-touch allocations, lazy kernels
-        runs: list[float] = []
-        for _ in range(repeats):
+    times = [float("inf")] * len(points)
+    for _ in range(repeats):
+        for i, n in enumerate(points):
             t0 = clock()
             run_forward(n)
-            runs.append(clock() - t0)
-        times.append(min(runs))
+            times[i] = min(times[i], clock() - t0)
     # A larger forward is never cheaper in expectation, and a shared machine's noise only
     # ever adds time: a point slower than a larger forward was timed in a slow spell and takes
     # that forward's time. (Raising each point to the one before it instead spread one slow

@@ -53,7 +53,29 @@ class FakeClock:
 def test_profile_times_every_point_with_warmup():
     clock = FakeClock()
     curve = profile(clock.forward, [1, 4, 16], repeats=3, clock=clock)
-    assert clock.calls == [1] * 4 + [4] * 4 + [16] * 4  # one warm-up + 3 timed each
+    # One warm-up each, then 3 timed rounds over all the points.
+    assert clock.calls == [1, 4, 16] * 4
+    assert curve.seconds == pytest.approx([0.012, 0.018, 0.042])
+
+
+@pytest.mark.parametrize("start", range(9))
+def test_a_slow_spell_of_consecutive_forwards_leaves_the_curve_as_timed(start):
+    """A slow spell (4x every forward's cost) over any 3 consecutive timed forwards, as long
+    as one point's 3 timed runs: taking turns, every point keeps a clean run, so the curve is
+    the forward's own cost at every point (timed point by point, the spell took all the runs
+    of one point wherever it began at that point's first)."""
+    clock = FakeClock()
+    forward = clock.forward
+    calls = 0
+
+    def spell(n: int) -> None:
+        nonlocal calls
+        calls += 1
+        forward(n)
+        if 3 < calls <= 12 and start < calls - 3 <= start + 3:  # timed forwards only
+            clock.t += 3 * (0.01 + 0.002 * n)
+
+    curve = profile(spell, [1, 4, 16], repeats=3, clock=clock)
     assert curve.seconds == pytest.approx([0.012, 0.018, 0.042])
 
 
