@@ -3,7 +3,7 @@
     python scripts/bench_serving.py [--model DIR --dflash DIR --dspark DIR] [--prompts FILE]
         [--num-prompts 128] [--min-waves 8] [--batches 16] [--temperatures 0 1] [--repeats 3]
         [--warmup 1] [--algorithms NONE NGRAM DFLASH DSPARK] [--noise-band BATCH ...]
-        [--max-new-tokens 64]
+        [--twins 1] [--max-new-tokens 64]
         [--out docs/bench/bench_serving.json] [--plot PNG (default: --out's name, .png)]
 
 A world of one (tp1, CPU by default, --threads 1). For each algorithm and batch size one engine
@@ -35,6 +35,8 @@ A cell at batch b runs max(--num-prompts, --min-waves x b) prompts (the prompt l
 when the file has fewer), so a large batch is measured in its steady state, over enough turns.
 --noise-band adds a second NONE engine (NONE/2) at the batches named: its ratio to NONE is
 what the measurement itself scatters by, the band within which a ratio means nothing.
+--twins K makes that K copies (NONE/2 .. NONE/K+1): with `--algorithms NONE` the run measures
+the harness's own resolution, how far identical engines' medians fall from NONE's.
 Defaults: the embedded tiny model, its drafts, the built-in held-out prompts.
 """
 
@@ -60,7 +62,13 @@ from dspark_launch.engine.request import RequestSpec
 from dspark_launch.models.layers.gemm import NEVER
 from dspark_launch.spec.policy import POLICIES
 
-TWIN = "NONE/2"  # a second plain-decoding engine: the noise band (--noise-band)
+
+def twins(k: int) -> list[str]:
+    """The names of k plain-decoding copies beside NONE: NONE/2, NONE/3, ..."""
+    return [f"NONE/{i}" for i in range(2, k + 2)]
+
+
+TWIN = twins(1)[0]  # a second plain-decoding engine: the noise band (--noise-band)
 
 
 def embedded_engine(algorithm: str, batch: int):
@@ -253,8 +261,9 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     groups = list(results)  # "batch 16, T=0"
+    order = ["NONE", "NGRAM", "DFLASH", "DSPARK"]  # NONE's copies right after it
     names = sorted({a for g in results.values() for a in g},
-                   key=lambda n: ["NONE", TWIN, "NGRAM", "DFLASH", "DSPARK"].index(n))
+                   key=lambda n: (order.index(n.split("/")[0]), n))
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
@@ -291,6 +300,9 @@ def main() -> None:
     ap.add_argument("--noise-band", type=int, nargs="*", default=[],
                     help="batches at which a second NONE engine (NONE/2) runs beside the "
                     "others: its ratio to NONE is the cell's own measurement noise")
+    ap.add_argument("--twins", type=int, default=1,
+                    help="NONE copies at the --noise-band batches (NONE/2 .. NONE/K+1): "
+                    "identical engines, whose medians' spread is the harness's resolution")
     ap.add_argument("--batches", type=int, nargs="+", default=[16])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -326,6 +338,8 @@ def main() -> None:
                  f"--algorithms (got {' '.join(args.algorithms)})")
     if missing := sorted(set(args.noise_band) - set(args.batches)):
         ap.error(f"--noise-band {missing}: not among --batches {args.batches}")
+    if args.twins < 1:
+        ap.error(f"--twins {args.twins}: the noise band needs at least one NONE copy (>= 1)")
 
     def cell_prompts(batch: int) -> int:
         return max(args.num_prompts, args.min_waves * batch)
@@ -356,8 +370,9 @@ def main() -> None:
             spare = build("NONE")
             names = list(args.algorithms)
             if batch in args.noise_band and "NONE" in names:
-                names.insert(names.index("NONE") + 1, TWIN)
-            engines = {name: build("NONE" if name == TWIN else name) for name in names}
+                at = names.index("NONE") + 1
+                names[at:at] = twins(args.twins)
+            engines = {name: build(name.split("/")[0]) for name in names}
             freeze_heap()  # as the CLI job and the server do; undone by shutdown()
             n_prompts = cell_prompts(batch)
             prompts = [engines[args.algorithms[0]].tokenizer.encode(t).ids
