@@ -63,6 +63,19 @@ def pin(engine, cap: int) -> None:
     policy._ladder = lambda cls, requests: ladders.setdefault(cls, Ladder.single(cap, False))
 
 
+def write_medians(names: list[str], ratios: dict[str, list[float]],
+                  taus: dict[str, list[float]], out: dict, path: str) -> None:
+    """Print each engine's median ratio to NONE, its tau and its repeats; `out` as JSON."""
+    width = max(map(len, names))
+    for n in names:
+        print(f"{n:{width}s} median {statistics.median(ratios[n]):.3f}x NONE, "
+              f"tau {statistics.median(taus[n]):.2f}  "
+              f"(per repeat {' / '.join(f'{x:.3f}' for x in ratios[n])})")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
 def pinned_cap(name: str) -> int | None:
     """ALG/plain -> 0, ALG/c -> c; None for an engine that runs as the benchmark runs it."""
     if name.endswith(PLAIN):
@@ -139,13 +152,7 @@ def main() -> None:
                            "tau": statistics.median(taus[n]),
                            **({"verified_lengths": lengths[n]} if n in lengths else {})}
                        for n in names}}
-    for n in names:
-        print(f"{n:14s} median {statistics.median(ratios[n]):.3f}x NONE, "
-              f"tau {statistics.median(taus[n]):.2f}  "
-              f"(per repeat {' / '.join(f'{x:.3f}' for x in ratios[n])})")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_medians(names, ratios, taus, out, args.out)
 
 
 if __name__ == "__main__":

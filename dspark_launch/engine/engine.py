@@ -460,7 +460,7 @@ class Engine:
             if done:
                 finished.append(req)
             else:
-                self.space.truncate(req.slot, req.kv_len)  # roll back rejected rows by length
+                self.space.roll_back(req.slot, req.kv_len)  # rejected rows: spare, kept
         for req in finished:
             self.sched.finish(req)
         return report

@@ -142,6 +142,9 @@ class KVSpace:
         self.cache: RadixCache | None = None
         self._shared = [0] * max_requests  # leading pages of the slot that the cache owns
         self._node: list[Node | None] = [None] * max_requests  # the cache path the slot locks
+        # Slots that keep spare rows (roll_back()): slot -> the length it uses; its rows past
+        # that are spare, reused by its next reserve and reclaimed when pages run short.
+        self._spare: dict[int, int] = {}
 
     @property
     def req_to_token(self) -> torch.Tensor:
@@ -202,19 +205,26 @@ class KVSpace:
         if length > self.max_context_len:
             return False
         evictable = self.cache.evictable_pages if self.cache is not None else 0
-        return self.pages_needed(slot, length) <= self.allocator.num_free_pages + evictable
+        return (self.pages_needed(slot, length)
+                <= self.allocator.num_free_pages + evictable + self.spare_pages(but=slot))
 
     def reserve(self, slot: int, length: int) -> Reserve:
-        """Make rows exist for positions [0, length). All or nothing."""
+        """Make rows exist for positions [0, length) (the slot's spare rows first). All or
+        nothing."""
         pages = self._check_slot(slot)
         current = self._lens[slot]
         if length <= current:
+            if slot in self._spare:  # spare rows back in use: no pages, no table writes
+                self._spare[slot] = max(self._spare[slot], length)
+                if length == current:
+                    del self._spare[slot]
             return Reserve.OK
         if length > self.max_context_len:
             return Reserve.TOO_LONG
-        new_pages = self._alloc(self.pages_needed(slot, length))
+        new_pages = self._alloc(self.pages_needed(slot, length), slot)
         if new_pages is None:
             return Reserve.NO_PAGES
+        self._spare.pop(slot, None)
         pages.extend(new_pages)
         # Positions [current, length) land first in the partly used last page (the
         # remainder of a page already held), then in the new pages, in order.
@@ -222,12 +232,47 @@ class KVSpace:
         self._lens[slot] = length
         return Reserve.OK
 
-    def _alloc(self, n_pages: int) -> list[int] | None:
-        pages = self.allocator.alloc(n_pages)
-        if pages is None and self.cache is not None:
-            self.cache.evict(n_pages - self.allocator.num_free_pages)
-            pages = self.allocator.alloc(n_pages)
-        return pages
+    def roll_back(self, slot: int, length: int) -> None:
+        """The slot uses positions [0, length) now; its rows past them stay its own as spare
+        rows, which its next reserve takes first, until an allocation that finds no free page
+        reclaims them (_alloc). For a verify's rejected rows: truncated and reserved anew each
+        round, at page size 1 every request's rows ended up scattered among the others', and
+        a drafting engine's steps ran slower, its plain ones most (scripts/bench_spare_rows.py
+        and bench_switch.py; docs/bench/HISTORY.md, round 30). Spare rows give way to any
+        reservation that fits without them, so the scheduler decides exactly as if they had
+        been freed (tests/spec/test_spare_rows.py)."""
+        self._check_slot(slot)
+        if not 0 <= length <= self._lens[slot]:
+            raise ValueError(f"roll_back(slot {slot}, length={length}): expected 0..reserved "
+                             f"length {self._lens[slot]}")
+        assert -(-length // self.page_size) >= self._shared[slot], (
+            f"roll_back(slot {slot}, length={length}) would spare pages the cache owns")
+        if length < self._lens[slot]:
+            self._spare[slot] = length
+        else:
+            self._spare.pop(slot, None)
+
+    def spare_pages(self, but: int | None = None) -> int:
+        """Pages that slots (other than `but`) hold only as spare rows: free on demand."""
+        ps = self.page_size
+        return sum(len(self._pages[s]) - -(-n // ps)  # type: ignore[arg-type]
+                   for s, n in self._spare.items() if s != but)
+
+    def _alloc(self, n_pages: int, slot: int) -> list[int] | None:
+        """n_pages for `slot`: free pages, then other slots' spare rows (they hold nothing
+        anyone will read), then unlocked cached pages (which a later prompt may hit). None,
+        with nothing changed, when even all of those would not do."""
+        short = n_pages - self.allocator.num_free_pages
+        if short > 0:
+            evictable = self.cache.evictable_pages if self.cache is not None else 0
+            if short > self.spare_pages(but=slot) + evictable:
+                return None
+            for other, length in list(self._spare.items()):
+                if other != slot and self.allocator.num_free_pages < n_pages:
+                    self.truncate(other, length)
+            if self.allocator.num_free_pages < n_pages:
+                self.cache.evict(n_pages - self.allocator.num_free_pages)  # type: ignore[union-attr]
+        return self.allocator.alloc(n_pages)
 
     def _write_rows(self, slot: int, start: int, stop: int) -> None:
         """req_to_token[slot, start:stop] from the slot's pages (applied at the next read).
@@ -289,6 +334,8 @@ class KVSpace:
         pages = self._check_slot(slot)
         if length < 0:
             raise ValueError(f"truncate(slot {slot}, length={length}) must be >= 0")
+        if self._spare.get(slot, length) >= length:
+            self._spare.pop(slot, None)  # no spare rows left past length
         if length >= self._lens[slot]:
             return
         keep = -(-length // self.page_size)

@@ -145,8 +145,10 @@ class ServeLoop:
 
 def local_load(engine) -> tuple[int, int]:
     """(KV pages held by requests, running requests) in this rank's attn_dp group. Prefix-cache
-    pages no request holds are not counted: an allocation evicts them on demand."""
-    allocator, cache = engine.space.allocator, engine.space.cache
-    reclaimable = cache.evictable_pages if cache is not None else 0
+    pages no request holds and spare rows (KVSpace.roll_back) are not counted: an allocation
+    frees them on demand."""
+    space = engine.space
+    allocator, cache = space.allocator, space.cache
+    reclaimable = (cache.evictable_pages if cache is not None else 0) + space.spare_pages()
     return (allocator.num_pages - allocator.num_free_pages - reclaimable,
             len(engine.sched.running))

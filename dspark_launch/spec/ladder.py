@@ -89,10 +89,13 @@ TRY_GAP = 3  # steps between two tries of any neighbours (a climb's next cap exc
 # cap 3, which ran 0.97-0.98x plain decoding end to end, and the ladder stayed at cap 3; NGRAM
 # stayed at cap 7 (0.91-0.94x plain decoding) beside cap 4 (1.03x). The price: a try costs two
 # steps for one measured (the exploration budget counts both). At batch 1 one round's scatter
-# (1 to 9 tokens) dwarfs the effect and one-step tries stay. What this leaves: even in steady
-# play, plain steps between drafting ones ran 7% over NONE's (the draft's context is captured,
-# the KV rows are shuffled by reserved-then-freed draft rows), so DFlash at batch 16 could
-# still settle at cap 4 (0.93x plain decoding end to end, 1.10x by its tries).
+# (1 to 9 tokens) dwarfs the effect and one-step tries stay. What this left: even in steady
+# play, plain steps between drafting ones ran 5-7% over NONE's, so DFlash at batch 16 could
+# still settle at cap 4 (0.93x plain decoding end to end, 1.10x by its tries). Most of that
+# was the KV rows' layout: each round's rejected rows were freed and reserved anew, scattering
+# every request's rows among the others'. They stay the request's now (KVSpace.roll_back), and
+# at batch 64 greedy the 2nd to 4th plain steps after DSpark's cap-4 ones took 1.003-1.029x
+# NONE's, not 1.046-1.056x (docs/bench/bench_switch_xeon_r{29,30}_b64_dspark.json).
 TRY_STEPS = 2
 MIN_ROUNDS = 16  # request-rounds a neighbour must have measured before it is judged ...
 MIN_TRIES = 3  # ... over this many steps at least
