@@ -124,6 +124,7 @@ class _Counts:
     def __init__(self, positions: int, now: int) -> None:
         self.reached = [0.0] * positions
         self.accepted = [0.0] * positions
+        self.rounds = self.tokens = 0.0  # rounds, and the tokens they committed (1 + accepted)
         self.stamp = now
 
     def at(self, now: int, decay: float) -> _Counts:
@@ -131,13 +132,16 @@ class _Counts:
             f = decay ** (now - self.stamp)
             self.reached = [x * f for x in self.reached]
             self.accepted = [x * f for x in self.accepted]
+            self.rounds, self.tokens = f * self.rounds, f * self.tokens
             self.stamp = now
         return self
 
-    def add(self, verified: int, accepted: int) -> None:
+    def add(self, verified: int, accepted: int, rounds: int = 1) -> None:
         for i in range(min(verified, accepted + 1, len(self.reached))):
-            self.reached[i] += 1.0
-            self.accepted[i] += float(i < accepted)
+            self.reached[i] += rounds
+            self.accepted[i] += rounds * float(i < accepted)
+        self.rounds += rounds
+        self.tokens += rounds * (1 + accepted)
 
 
 class AcceptanceTracker:
@@ -211,27 +215,43 @@ class AcceptanceTracker:
 
 class MeasuredRates:
     """Conditional acceptance per draft position exactly as measured (accepted / reached, no
-    prior), per key: the verify ladder's arm and request class. Each arm keeps its own: a
-    round of a shorter cap starts after fewer rejections and drafts from a shorter block,
-    and its first drafts were accepted more often (batch 1 greedy, survival of drafts 1-4:
-    DSpark 0.75/0.59/0.52/0.46 at cap 4, 0.73/0.52/0.44/0.37 at cap 8). Aged like the
-    tracker's counts, by drafting steps."""
+    prior), and the tokens a round committed, per key: the verify ladder's arm and request
+    class. Each arm keeps its own: a round of a shorter cap starts after fewer rejections
+    and drafts from a shorter block, and its first drafts were accepted more often (batch 1
+    greedy, survival of drafts 1-4: DSpark 0.75/0.59/0.52/0.46 at cap 4, 0.73/0.52/0.44/0.37
+    at cap 8). A key's counts age by the steps that observed it (tick): an arm the ladder
+    tries once in hundreds of steps keeps its last rounds, where aging by every drafting
+    step left a neighbour of a drafting arm a round or two to be judged on."""
 
     def __init__(self, positions: int, decay: float = 0.99) -> None:
         self.positions, self.decay = positions, decay
         self._counts: dict[object, _Counts] = {}
-        self.now = 0
+        self._seen: set = set()  # keys observed since the last tick
 
-    def observe(self, key: object, verified: int, accepted: int) -> None:
-        if verified <= 0:
-            return
+    def observe(self, key: object, verified: int, accepted: int, rounds: int = 1) -> None:
+        """`rounds` request-rounds that each verified `verified` drafts (0: a plain round: a
+        request at its last token, or one the cost model kept from drafting) and accepted
+        `accepted`."""
         counts = self._counts.get(key)
         if counts is None:
-            counts = self._counts[key] = _Counts(self.positions, self.now)
-        counts.at(self.now, self.decay).add(verified, accepted)
+            counts = self._counts[key] = _Counts(self.positions, 0)
+        counts.add(verified, accepted, rounds)
+        self._seen.add(key)
 
     def tick(self) -> None:
-        self.now += 1
+        """A step has passed: the counts of the keys it observed age by one."""
+        for key in self._seen:
+            counts = self._counts[key]
+            counts.at(counts.stamp + 1, self.decay)
+        self._seen.clear()
+
+    def expectation(self, key: object) -> float | None:
+        """The log of the key's committed tokens per round, as all its rounds so far tell
+        them (aged counts); None before any round."""
+        counts = self._counts.get(key)
+        if counts is None or counts.rounds <= 0:
+            return None
+        return math.log(counts.tokens / counts.rounds)
 
     def rates(self, key: object, least: float) -> list[float]:
         """The key's rates at the leading positions reached in `least` rounds or more (aged
@@ -239,7 +259,6 @@ class MeasuredRates:
         counts = self._counts.get(key)
         if counts is None:
             return []
-        counts.at(self.now, self.decay)
         out = []
         for reached, acc in zip(counts.reached, counts.accepted):
             if reached < least:

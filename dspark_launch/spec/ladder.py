@@ -20,20 +20,23 @@ Paired comparisons: this machine's speed drifts by +-15% within seconds, and a c
 slower still, so arms measured at different times do not compare. The ladder plays its current
 arm and keeps a short average of its speed; every few steps it tries a neighbour (the next two
 caps up or down, the same cap with the other mode, the top cap, plain decoding) for one step
-(or `try_steps`, of which the first after the change of arm is not scored: see TRY_STEPS) and
-scores it against the current arm's average just before it: the log of the ratio, averaged
-(with forgetting) per arm, with its standard error (a try scatters at least as much as one
-step's time of the current arm does around their recent average: the machine's and the
-batch's noise). It moves to a neighbour whose ratio is above 1 + MARGIN (1 + ENTER from plain
-decoding) and 1 by Z standard errors. A neighbour that is slower (or ties within the margin)
-is tried less and less often: its wait doubles (grows 4x when clearly slower), up to
-EXPLORE_MAX, so where nothing pays exploring costs little (the budget bounds it); long waits
-end on multiples of themselves (ALIGN), so those tries come in bursts. One not yet resolved keeps
-being tried, for PATIENCE tries. A try far off its arm's record (SURPRISE: the machine or the
-batch changed) makes the old tries count less and the arm due again soon. After a move the
-ratios are re-based on the new arm (the old one's is the mirror of the one that won, the
-others' shift by the winner's and count less: they are estimates through it), except after
-leaving plain decoding: then plain decoding is measured afresh from the new arm (_move).
+(or `try_steps`, of which the first after the change of arm is not scored: see TRY_STEPS; plain
+decoding tried from a drafting arm: PLAIN_TRY_STEPS) and scores it against the current arm's
+average just before it: the log of the ratio, averaged (with forgetting) per arm, with its
+standard error (a try scatters at least as much as one step's time of the current arm does
+around their recent average: the machine's and the batch's noise). The tokens in a try's ratio
+are re-scored whenever the arm is judged, at all the rounds it has played (_gap): tries scored
+at a young arm's first rates all shared their error. It moves to a neighbour whose ratio is
+above 1 + MARGIN (1 + ENTER from plain decoding) and 1 by Z standard errors. A neighbour that
+is slower (or ties within the margin) is tried less and less often: its wait doubles (grows 4x
+when clearly slower), up to EXPLORE_MAX, so where nothing pays exploring costs little (the
+budget bounds it); long waits end on multiples of themselves (ALIGN), so those tries come in
+bursts. One not yet resolved keeps being tried, for PATIENCE tries. A try far off its arm's
+record (SURPRISE: the machine or the batch changed) makes the old tries count less and the arm
+due again soon. After a move the ratios are re-based on the new arm (the old one's is the
+mirror of the one that won, the others' shift by the winner's and count less: they are
+estimates through it), except after leaving plain decoding: then plain decoding is measured
+afresh from the new arm (_move).
 
 Exploring is paid for: tries are made only while what they lost (and, at plain decoding, what
 waking for them cost) stays within BUDGET of the run's time (plus a small ALLOWANCE, one for
@@ -97,6 +100,13 @@ TRY_GAP = 3  # steps between two tries of any neighbours (a climb's next cap exc
 # at batch 64 greedy the 2nd to 4th plain steps after DSpark's cap-4 ones took 1.003-1.029x
 # NONE's, not 1.046-1.056x (docs/bench/bench_switch_xeon_r{29,30}_b64_dspark.json).
 TRY_STEPS = 2
+# A try of plain decoding from a drafting arm plays this many steps even at batch 1, and its
+# first is not scored either: a plain step right after drafting ones ran 1.04-1.07x a plain
+# step after plain ones there (DFlash, T=1, Xeon; scripts/bench_switch.py), which is about
+# what a drafting arm that loses 5% beats plain decoding by, so a ladder that had moved to
+# one left it only by chance. A drafting arm's tries at batch 1 keep one step: a round's
+# scatter there dwarfs the effect, and each step of theirs costs more.
+PLAIN_TRY_STEPS = 2
 MIN_ROUNDS = 16  # request-rounds a neighbour must have measured before it is judged ...
 MIN_TRIES = 3  # ... over this many steps at least
 PATIENCE = 6  # tries after which an unresolved neighbour is tried less often too
@@ -205,17 +215,21 @@ class Arm:
     seen: float = 0.0  # sum w, never faded: how much it was measured (when to judge it) ...
     count: int = 0  # ... and over how many tries
     total: float = 0.0  # sum w y
+    # sum w u, u_t the log of the tokens per round its try was scored with: the part of y_t
+    # that the arm's own acceptance, as measured then, set (Ladder._gap re-scores it)
+    tokens: float = 0.0
     squares: float = 0.0  # sum w y^2 ...
     weights: float = 0.0  # ... and sum w^2: the mean's standard error
     warm: bool = False  # its first step was seen (and not scored: one-time costs)
     wait: int = EXPLORE_EVERY  # steps until this arm is tried again as a neighbour
     due: int = 0  # the step from which it may be
 
-    def observe(self, rounds: int, log_ratio: float) -> None:
+    def observe(self, rounds: int, log_ratio: float, log_tokens: float = 0.0) -> None:
         self.rounds += rounds
         self.seen += rounds
         self.count += 1
         self.total += rounds * log_ratio
+        self.tokens += rounds * log_tokens
         self.squares += rounds * log_ratio * log_ratio
         self.weights += rounds * rounds
 
@@ -225,6 +239,7 @@ class Arm:
         weighs new tries against old ones, it does not make an arm untried."""
         self.rounds *= keep
         self.total *= keep
+        self.tokens *= keep
         self.squares *= keep
         self.weights *= keep * keep
 
@@ -235,7 +250,7 @@ class Arm:
 
     def forget(self) -> None:
         """No tries: measured afresh (young)."""
-        self.rounds = self.seen = self.total = self.squares = self.weights = 0.0
+        self.rounds = self.seen = self.total = self.tokens = self.squares = self.weights = 0.0
         self.count = 0
 
     def mirror(self, other: Arm) -> None:
@@ -243,6 +258,7 @@ class Arm:
         self.rounds, self.weights = other.rounds, other.weights
         self.seen, self.count = other.seen, other.count
         self.total, self.squares = -other.total, other.squares
+        self.tokens = 0.0
 
     @property
     def judgeable(self) -> bool:
@@ -305,6 +321,10 @@ class Ladder:
         self._null = NOISE ** 2
         self._misses = 0
         self._quiet_until = 0  # picks before this step return the current arm (quiet())
+        # An arm's committed tokens per round as all its rounds so far tell them (the log),
+        # or None (then its tries' own scores stand): the policy's (spec/policy.py:
+        # VerifyPolicy._expected). See _gap.
+        self.expect: Callable[[int], float | None] | None = None
         # The arm a climb measures next, at once (from plain decoding: the top cap, where
         # speculation pays most; the caps below are measured next, being young)
         self._ahead: int | None = next((j for j, a in enumerate(self.arms)
@@ -380,10 +400,17 @@ class Ladder:
                 self._turn = (self._turn + k + 1) % len(near)
                 arm.due = self._due(arm.wait) if arm.judgeable else self.steps + 1
                 self._begin_try()
-                if self.try_steps > 1:
-                    self._trying = (j, self.try_steps - 1)
+                if self._steps_of_try(j) > 1:
+                    self._trying = (j, self._steps_of_try(j) - 1)
                 return j
         return self.at
+
+    def _steps_of_try(self, j: int) -> int:
+        """Steps a try of arm j plays: try_steps, and at least two for plain decoding tried
+        from a drafting arm (PLAIN_TRY_STEPS)."""
+        if j == PLAIN and self.at != PLAIN:
+            return max(self.try_steps, PLAIN_TRY_STEPS)
+        return self.try_steps
 
     def _begin_try(self) -> None:
         """A neighbour is tried this step: counted, and charged what waking for it cost."""
@@ -434,7 +461,7 @@ class Ladder:
         judged on its tries alone)."""
         arm = self.arms[j]
         if predict is None or arm.judgeable or arm.wait >= EXPLORE_MAX or not arm.rounds \
-                or arm.log_ratio >= math.log(UNLIKELY):
+                or self._gap(j) >= math.log(UNLIKELY):
             return False
         mine, there = predict(self.current), predict(arm)
         return mine is not None and there is not None and there < UNLIKELY * mine
@@ -457,7 +484,7 @@ class Ladder:
         if i != self.at and not math.isnan(self.base):
             self.spent += relative_seconds * (1 - speed / self.base)
         switched, self._previous = self._previous is not None and i != self._previous, i
-        if self.try_steps > 1 and switched and arm.warm:
+        if switched and arm.warm and (self.try_steps > 1 or self._steps_of_try(i) > 1):
             return  # the first step after a change of arm: not this arm's speed (TRY_STEPS)
         if not arm.warm:
             # An arm's first step pays one-time costs (allocations, first use): not its
@@ -487,21 +514,22 @@ class Ladder:
             self._settle()
             self._quiet_until = 0  # a surprise below may bring a due forward
             ratio = min(max(math.log(speed / self.base), -CLIP), CLIP)
-            if arm.judgeable and abs(ratio - arm.log_ratio) > SURPRISE * arm.scatter(
-                    self._floor):
+            tokens = math.log(committed / rounds)
+            if arm.judgeable and abs(ratio - tokens - (arm.total - arm.tokens) / arm.rounds) \
+                    > SURPRISE * arm.scatter(self._floor):  # (their times: tokens re-scored)
                 # Far outside its record: the machine, the batch or the prompts changed.
                 # Its old tries count less, and it is measured again soon.
                 arm.fade(SURPRISE_KEEP)
                 arm.wait = EXPLORE_EVERY
                 arm.due = min(arm.due, self.steps + EXPLORE_EVERY)
-            arm.observe(rounds, ratio)
+            arm.observe(rounds, ratio, tokens)
             self._judge(i)
 
     def _judge(self, i: int) -> None:
         there = self.arms[i]
         if not there.judgeable:
             return
-        gap, noise = there.log_ratio, Z * there.log_error(self._floor)
+        gap, noise = self._gap(i), Z * there.log_error(self._floor)
         if i == PLAIN and gap > -math.log(1 + MARGIN) / 2 and noise < math.log(1 + TIE):
             # Plain decoding takes a tie: it costs the least CPU and its speed rests on no
             # estimate, so a drafting arm stays only while it beats plain by the margin (at
@@ -525,6 +553,37 @@ class Ladder:
             grow = 4 if gap + noise < math.log(1 - CLEAR) else 2
             there.wait = min(grow * there.wait, EXPLORE_MAX)
 
+    def _gap(self, j: int) -> float:
+        """Arm j's log speed ratio over the current arm, its tries' tokens re-scored.
+
+        A try's ratio holds the tokens its rounds committed as scored then (round_score: at
+        the rates its arm had measured by then, from few rounds while it is young), and all
+        the tries of that time share that estimate's error, which their scatter does not
+        show. Here every try's tokens are re-scored at all the rounds its arm has played
+        (self.expect). With a drafter that commits 1.5 tokens a round for 1.6 plain steps
+        and was scored at 2 on its first rounds, the ladder no longer leaves plain decoding
+        (tests/policy/test_ladder.py). With one that pays 1.24-1.31x at caps 2-4
+        (scripts/sim_ladder.py --drafter sampled --machine shared --steps 28000) the ladder
+        ran at 0.965 of the best cap's speed (0.988 over the last 1000 steps), 0.930 before
+        round 31 (with MeasuredRates' aging and PLAIN_TRY_STEPS). Counting the estimate's
+        error in the standard error as well made the ladder keep the first drafting arm it
+        reached (scratch). The cost model's arms keep their tries' own scores (the policy's
+        expect gives None: VerifyPolicy._expected)."""
+        arm = self.arms[j]
+        log_tokens = self.expect(j) if self.expect is not None and arm.rounds else None
+        if log_tokens is None:
+            return arm.log_ratio
+        return arm.log_ratio + log_tokens - arm.tokens / arm.rounds
+
+    def _rescore(self, j: int, gap: float) -> None:
+        """Arm j's tries now read `gap` (re-scored: _gap) as they stand."""
+        arm = self.arms[j]
+        log_tokens = self.expect(j) if self.expect is not None and arm.rounds else None
+        if log_tokens is None:
+            arm.shift(gap - arm.log_ratio)
+        else:
+            arm.tokens = arm.total + arm.rounds * (log_tokens - gap)
+
     def _settle(self) -> None:
         """Apply the fades of the steps since the arms were last read (one multiply per
         arm, not one per arm and step: the current arm's steps read no arm)."""
@@ -539,7 +598,7 @@ class Ladder:
         self._quiet_until = 0
         self._trying = None
         came_from, there = self.arms[self.at], self.arms[i]
-        gap = there.log_ratio
+        gap = self._gap(i)
         for j, arm in enumerate(self.arms):  # ratios re-based on the new arm: estimates
             if j not in (i, self.at):  # through the winner's, so the next try counts more
                 arm.shift(-gap)
@@ -558,6 +617,7 @@ class Ladder:
             came_from.wait, came_from.due = EXPLORE_EVERY, 0  # young: due at once
         else:
             came_from.mirror(there)
+            self._rescore(self.at, -gap)
         there.forget()
         self.base *= math.exp(gap)
         self._base_rounds, self._base_steps = 0.0, 0
@@ -614,5 +674,5 @@ class Ladder:
                 "steps": self.steps, "tries": self.tries,
                 "neighbours": [{"cap": self.arms[j].cap, "model": self.arms[j].model,
                                 "rounds": round(self.arms[j].rounds, 1),
-                                "ratio": round(math.exp(self.arms[j].log_ratio), 4)
+                                "ratio": round(math.exp(self._gap(j)), 4)
                                 if self.arms[j].rounds else None} for j in near]}

@@ -348,7 +348,7 @@ class VerifyPolicy:
         self._pending: _Played | None = None
         self.dormant = False  # this step drafts nothing and its context may be left out
         self._choices = 0  # choose() calls (CALIBRATION_EVERY)
-        self._picked: tuple[Ladder, int] | None = None  # pick()'s, for this step's plan()
+        self._picked: tuple[Ladder, int, str] | None = None  # pick()'s, for this step's plan()
 
     @property
     def adaptive(self) -> bool:
@@ -364,7 +364,7 @@ class VerifyPolicy:
             cls = Counter(classes).most_common(1)[0][0]
         ladder = self._ladder(cls, len(classes))
         arm = ladder.pick(self._predictor(cls, len(classes)))
-        self._picked = (ladder, arm)
+        self._picked = (ladder, arm, cls)
         return ladder.arms[arm].cap
 
     def plan(self, keys: Sequence[object], classes: Sequence[str], limits: Sequence[int],
@@ -378,7 +378,7 @@ class VerifyPolicy:
             return list(limits)
         if self._picked is None:
             self.pick(classes)
-        (ladder, arm), self._picked = self._picked, None
+        (ladder, arm, cls), self._picked = self._picked, None
         cap, self._model = ladder.arms[arm].cap, ladder.arms[arm].model
         capped = [min(n, cap) for n in limits]
         lengths = (self._model_lengths(keys, classes, capped, base_tokens) if self._model
@@ -393,7 +393,7 @@ class VerifyPolicy:
             self.metrics.skipped_drafts += 1  # zeros for limits it did not work out: pick())
         self.dormant = arm == ladder.at and not sum(lengths) and ladder.quiet(WAKE_AHEAD)
         self.metrics.dormant_steps += self.dormant
-        self._played = _Played(ladder, arm, base_tokens)
+        self._played = _Played(ladder, arm, cls, base_tokens)
         return lengths
 
     def _ladder(self, cls: str, requests: int) -> Ladder:
@@ -412,7 +412,20 @@ class VerifyPolicy:
                        try_steps=TRY_STEPS if size > 1 else 1,
                        allowance=self.allowances.setdefault(cls, Allowance()))
                 if self.mode == "adaptive" else Ladder.single(self.positions, model=True))
+            ladder.expect = functools.partial(self._expected, ladder, cls)
         return ladder
+
+    def _expected(self, ladder: Ladder, cls: str, j: int) -> float | None:
+        """The log of arm j's committed tokens per round as all its measured rounds tell them
+        (Ladder._gap); None before any, and for the cost model's arms: their steps' times
+        move with the drafts the model chose (a step it kept from drafting is cheap and
+        commits one token a round), so the tokens of their tries are no constant to
+        re-score apart from the times (credited with the arm's mean, its cheap steps made
+        DSPARK's and DFLASH's batch-16 greedy ladders end on the model's arms, round 31)."""
+        arm = ladder.arms[j]
+        if not arm.cap:
+            return 0.0  # plain decoding commits one token a round, always
+        return None if arm.model else self.measured.expectation((ladder, j, cls))
 
     def _predictor(self, cls: str, requests: int) -> Callable[[Arm], float | None]:
         """An arm's predicted speed over plain decoding for `requests` requests of class
@@ -535,7 +548,8 @@ class VerifyPolicy:
         surv = self._survival.get(key)
         if self._played is not None:
             # The ladder scores what rounds commit, on average at the rates this run
-            # measured (round_score): never a prediction. DSpark's confidences overstate deep
+            # measured (round_score; re-scored at all the arm's rounds when it is judged:
+            # Ladder._gap, _expected): never a prediction. DSpark's confidences overstate deep
             # positions and sampled rounds (scored on them, batch 16 greedy climbed to caps
             # that ran at 1.01x plain decoding where cap 4 ran 1.2x, and batch 1 at T=1 left
             # plain decoding for 0.72x), and the tracker's rates lean on an optimistic prior
@@ -570,8 +584,11 @@ class VerifyPolicy:
         plain step)."""
         self.metrics.lengths[0] += rounds
         if self._played is not None:
-            self._played.rounds += rounds
-            self._played.committed += rounds * round_score([], 0, 0)
+            played = self._played
+            played.rounds += rounds
+            played.committed += rounds * round_score([], 0, 0)
+            if played.arm != PLAIN:  # a drafting arm's step in which no request drafted
+                self.measured.observe((played.ladder, played.arm, played.cls), 0, 0, rounds)
 
     def record_step(self, decode_tokens: int, forward_tokens: int, forward_s: float,
                     draft_rows: int, draft_s: float, base_tokens: int | None = None,
@@ -635,6 +652,7 @@ class _Played:
 
     ladder: Ladder
     arm: int  # index into ladder.arms
+    cls: str  # the ladder's request class (the step's majority)
     base_tokens: int
     rounds: int = 0  # requests recorded
     committed: float = 0.0  # tokens they committed, as round_score counts them
