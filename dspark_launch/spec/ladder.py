@@ -400,8 +400,9 @@ class Ladder:
                 self._turn = (self._turn + k + 1) % len(near)
                 arm.due = self._due(arm.wait) if arm.judgeable else self.steps + 1
                 self._begin_try()
-                if self._steps_of_try(j) > 1:
-                    self._trying = (j, self._steps_of_try(j) - 1)
+                steps = self._steps_of_try(j)
+                if steps > 1:
+                    self._trying = (j, steps - 1)
                 return j
         return self.at
 
@@ -484,7 +485,7 @@ class Ladder:
         if i != self.at and not math.isnan(self.base):
             self.spent += relative_seconds * (1 - speed / self.base)
         switched, self._previous = self._previous is not None and i != self._previous, i
-        if switched and arm.warm and (self.try_steps > 1 or self._steps_of_try(i) > 1):
+        if switched and arm.warm and self._steps_of_try(i) > 1:
             return  # the first step after a change of arm: not this arm's speed (TRY_STEPS)
         if not arm.warm:
             # An arm's first step pays one-time costs (allocations, first use): not its
