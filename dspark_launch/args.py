@@ -154,11 +154,14 @@ def build_parser(serve: bool = False) -> argparse.ArgumentParser:
                    "from measured steps only")
     g.add_argument("--attention-backend", choices=("auto", "triton", "torch"), default="auto",
                    help="auto: triton on CUDA, torch on CPU")
-    g.add_argument("--cpu-gemm", choices=("auto", "torch", "onednn"), default="auto",
-                   help="CPU projections: auto times the forward at start-up with torch's "
-                   "GEMM and with oneDNN's packed weights and takes oneDNN from the row count "
-                   "where it is faster (cached per machine); torch: torch's GEMM only; onednn: "
-                   "packed weights at every row count (fp32/bf16 weights on CPU)")
+    g.add_argument("--cpu-gemm", choices=("auto", "torch", "onednn", "transposed"),
+                   default="auto",
+                   help="CPU projections: auto times the forward at start-up on torch's "
+                   "GEMM and on each kernel with a copy of the weights (oneDNN's packed "
+                   "layout; the weights transposed for MKL) and keeps the copy that saves the "
+                   "most from the row count where it is faster (cached per machine); torch: "
+                   "torch's GEMM only; onednn / transposed: that copy at every row count "
+                   "(fp32/bf16 weights on CPU)")
     g = p.add_argument_group("memory")
     g.add_argument("--kv-cache-memory", default=None,
                    help="per-rank KV budget on CPU (bytes or 512MiB / 2GiB); default: a share "

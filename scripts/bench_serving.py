@@ -407,8 +407,10 @@ def main() -> None:
             ladders[f"batch {batch}"] = {name: engine.policy.report()["ladders"]
                                          for name, engine in engines.items()
                                          if getattr(engine, "policy", None) is not None}
-            gemms[f"batch {batch}"] = {name: None if engine.gemm_from_rows == NEVER else
-                                       engine.gemm_from_rows for name, engine in engines.items()}
+            gemms[f"batch {batch}"] = {
+                name: None if engine.gemm_from_rows == NEVER else
+                {"kernel": engine.gemm_kernel, "from_rows": engine.gemm_from_rows}
+                for name, engine in engines.items()}
             for engine in [*engines.values(), spare]:
                 engine.shutdown()
     finally:

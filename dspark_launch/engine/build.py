@@ -204,7 +204,8 @@ def build_engine(args: EngineArgs) -> Engine:
     _, gemm_source = choose_gemm(engine, args.cpu_gemm)
     if state.rank == 0 and device.type == "cpu":
         logger.info("cpu gemm: %s (%s)", "torch's" if engine.gemm_from_rows == NEVER else
-                    f"oneDNN, packed weights, from {engine.gemm_from_rows} rows", gemm_source)
+                    f"{engine.gemm_kernel} copy of the weights from {engine.gemm_from_rows} rows",
+                    gemm_source)
     engine.checkpoints = ckpt
     engine.plan = plan
     engine.generation_defaults = generation_defaults(ckpt.model)

@@ -102,7 +102,9 @@ class Engine:
         self.checkpoints = None
         self.plan = None
         self.generation_defaults: dict = {}
-        self.gemm_from_rows = NEVER  # CPU projections packed from these rows (gemm_choice.py)
+        # CPU projections on a copy of the weights for this kernel from these rows
+        # (gemm_choice.py; "torch", NEVER: no copy)
+        self.gemm_kernel, self.gemm_from_rows = "torch", NEVER
         # The verify-length policy (engine/verify_policy.py; None: verify every draft), and
         # what it learns from: the last step's tokens and its (forward, draft, deferred
         # context writes) microseconds.

@@ -43,7 +43,8 @@ def build_verify_policy(engine, mode: str, profile: str, draft_dir: str | None,
     room = min(engine.limits.max_running * block, engine.space.num_free_tokens)
     points = profile_points(max(1, room), PROFILE_POINTS)
     c = engine.target.config
-    machine = {**conditions(engine), "gemm_from_rows": engine.gemm_from_rows, "block": block}
+    machine = {**conditions(engine), "gemm_kernel": engine.gemm_kernel,
+               "gemm_from_rows": engine.gemm_from_rows, "block": block}
     curve, source = profiled_curve(profile, machine, lambda n: profile_forward(engine, n),
                                    points, agree=broadcast_object, writer=state.rank == 0)
     draft = getattr(proposer, "draft", None)

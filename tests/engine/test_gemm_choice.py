@@ -35,10 +35,20 @@ def _packed_layers(engine) -> set[int | None]:
             for m in engine.target.modules() if hasattr(m, "packed")}
 
 
+def _kernels(engine) -> set[str | None]:
+    """The kernel of every packable layer's copy, target and draft (None: no copy)."""
+    from dspark_launch.models.layers import Packs
+
+    models = [engine.target] + ([engine.proposer.draft]
+                                if getattr(engine.proposer, "draft", None) is not None else [])
+    return {m.packed.kernel if m.packed is not None else None for model in models
+            for m in model.modules() if isinstance(m, Packs) and m.pack_source() is not None}
+
+
 def _choose_rank(rank: int, args, cache: str) -> dict:
-    """Build with torch's GEMM, then choose 'auto' with a clock under which the packed kernel
-    is faster on rank 0 and slower on every other rank; then again (from the cache), and the
-    other modes."""
+    """Build with torch's GEMM, then choose 'auto' with a clock under which both copies' kernels
+    are faster on rank 0 (the transposed one the most) and slower on every other rank; then
+    again (from the cache), and the other modes."""
     import os
 
     from dspark_launch.args import RunConfig
@@ -55,15 +65,21 @@ def _choose_rank(rank: int, args, cache: str) -> dict:
 
     def clock() -> float:  # each reading advances by what the current kernel costs here
         packed = head.packed is not None and head.packed.plan.from_rows < NEVER
-        now[0] += (1.0 if get_parallel().rank == 0 else 3.0) if packed else 2.0
+        fast = {"onednn": 1.5, "transposed": 1.0}[head.packed.kernel] if packed else 2.0
+        now[0] += fast if get_parallel().rank == 0 or not packed else 3.0
         return now[0]
 
     out["auto"] = choose_gemm(engine, "auto", clock)
     out["auto_layers"] = _packed_layers(engine)
+    out["auto_kernels"] = (engine.gemm_kernel, _kernels(engine))
     out["again"] = choose_gemm(engine, "auto", clock)
+    out["again_kernels"] = (engine.gemm_kernel, _kernels(engine))
     out["onednn"] = choose_gemm(engine, "onednn")
     out["onednn_layers"] = _packed_layers(engine)
+    out["onednn_kernels"] = (engine.gemm_kernel, _kernels(engine))
     out["draft_packed"] = _draft_packed(engine)
+    out["transposed"] = choose_gemm(engine, "transposed")
+    out["transposed_kernels"] = (engine.gemm_kernel, _kernels(engine))
     out["torch"] = choose_gemm(engine, "torch")
     out["torch_layers"] = _packed_layers(engine) | _draft_packed(engine)
     out["field"] = engine.gemm_from_rows
@@ -86,11 +102,15 @@ def test_every_rank_takes_rank_0s_measurement_and_the_cache_keeps_it(tiny, tmp_p
     results = run_world(world, _choose_rank, args, str(tmp_path / "cache"), timeout=120)
     for r in results:
         assert r["built"] == (NEVER, {None})  # torch: nothing packed
-        assert r["auto"] == (1, "measured")  # rank 0's clock: packed is faster everywhere
+        assert r["auto"] == (1, "measured")  # rank 0's clock: copies faster everywhere
         assert r["auto_layers"] == {1}
-        assert r["again"] == (1, "cache")
+        assert r["auto_kernels"] == ("transposed", {"transposed"})  # rank 0's fastest
+        assert r["again"] == (1, "cache") and r["again_kernels"] == r["auto_kernels"]
         assert r["onednn"] == (1, "onednn") and r["onednn_layers"] == {1}
+        assert r["onednn_kernels"] == ("onednn", {"onednn"})
         assert r["draft_packed"] == {True}
+        assert r["transposed"] == (1, "transposed")
+        assert r["transposed_kernels"] == ("transposed", {"transposed"})
         assert r["torch"] == (NEVER, "torch")
         assert r["torch_layers"] == {None, False}  # the earlier copies are dropped
         assert r["field"] == NEVER
@@ -119,7 +139,7 @@ def _slower_rank(rank: int, args, cache: str) -> dict:
 
     out = {"auto": choose_gemm(engine, "auto", clock),
            "layers": _packed_layers(engine) | _draft_packed(engine),
-           "field": engine.gemm_from_rows}
+           "field": (engine.gemm_kernel, engine.gemm_from_rows)}
     engine.shutdown()
     return out
 
@@ -128,12 +148,13 @@ def test_auto_keeps_no_copy_where_the_packed_kernel_loses(tiny, tmp_path):
     args = engine_args(tiny, "DFLASH", tiny.dflash(4), cpu_gemm="onednn")  # built packed
     for r in run_world(2, _slower_rank, args, str(tmp_path / "cache"), timeout=120):
         assert r["auto"] == (NEVER, "measured")
-        assert r["layers"] == {None, False} and r["field"] == NEVER
+        assert r["layers"] == {None, False} and r["field"] == ("torch", NEVER)
 
 
 def _failing_rank(rank: int, args, cache: str) -> dict:
-    """Packing fails on rank 1 only (oneDNN's reorder out of memory, injected): 'auto' keeps
-    torch's GEMM on every rank, 'onednn' is refused on every rank, naming rank 1."""
+    """Copying fails on rank 1 only (oneDNN's reorder out of memory, injected, for either
+    kernel): 'auto' keeps torch's GEMM on every rank, 'onednn' is refused on every rank,
+    naming rank 1."""
     import os
 
     import dspark_launch.engine.gemm_choice as gemm_choice
@@ -146,7 +167,7 @@ def _failing_rank(rank: int, args, cache: str) -> dict:
     init_parallel_runtime(RunConfig(tp_size=int(os.environ["WORLD_SIZE"]), device="cpu"))
     engine = build_engine(args)
     if rank == 1:
-        def out_of_memory(model, plan):
+        def out_of_memory(model, plan, kernel):
             raise RuntimeError("could not allocate 1048576 bytes")
         gemm_choice.pack_model = out_of_memory
     out = {"auto": gemm_choice.choose_gemm(engine, "auto"),
@@ -165,7 +186,7 @@ def test_a_rank_that_cannot_pack_leaves_none_waiting(tiny, tmp_path):
     for r in run_world(2, _failing_rank, args, str(tmp_path / "cache"), timeout=120):
         assert r["auto"] == (NEVER, "failed")
         assert r["layers"] == {None, False}  # rank 0's copies dropped too
-        assert r["onednn"] == ("--cpu-gemm onednn: packing the weights for oneDNN failed on "
+        assert r["onednn"] == ("--cpu-gemm onednn: packing the weights for onednn failed on "
                                "rank 1: RuntimeError: could not allocate 1048576 bytes; use "
                                "--cpu-gemm torch")
         assert r["after"] == {None, False}
@@ -185,22 +206,28 @@ def test_a_mode_that_cannot_apply_is_refused():
     with pytest.raises(ConfigError, match="--cpu-gemm onednn packs CPU weights in float32.*"
                                           "float16 on cpu.*--cpu-gemm auto or torch"):
         choose_gemm(Half(), "onednn")
+    with pytest.raises(ConfigError, match="--cpu-gemm transposed packs CPU weights in "
+                                          "float32.*float16 on cpu"):
+        choose_gemm(Half(), "transposed")
     with pytest.raises(ConfigError, match="--cpu-gemm='fast': expected one of auto, torch, "
-                                          "onednn"):
+                                          "onednn, transposed"):
         choose_gemm(Half(), "fast")
     half = Half()
     assert choose_gemm(half, "auto") == (NEVER, "torch") and half.gemm_from_rows == NEVER
 
 
-@pytest.mark.parametrize("world,algorithm", [(1, "DSPARK"), (2, "DFLASH")])
-def test_speculation_on_packed_weights_equals_plain_greedy(tiny, tmp_path, world, algorithm):
-    """Every projection on oneDNN from one row (target and draft, verify and draft blocks):
+@pytest.mark.parametrize("world,algorithm,kernel", [(1, "DSPARK", "onednn"),
+                                                    (2, "DFLASH", "onednn"),
+                                                    (2, "DSPARK", "transposed")])
+def test_speculation_on_packed_weights_equals_plain_greedy(tiny, tmp_path, world, algorithm,
+                                                           kernel):
+    """Every projection on a copy from one row (target and draft, verify and draft blocks):
     greedy outputs as plain greedy decoding's on torch's default GEMM path."""
     prompts = random_prompts(8, [3, 17, 1, 9, 24, 5, 12, 2], seed=5)
     path = write_prompts(tmp_path / "p.jsonl", [{"input_ids": p} for p in prompts])
     ref = reference(tiny, path, 16)
     draft = tiny.dspark(4) if algorithm == "DSPARK" else tiny.dflash(4)
-    args = engine_args(tiny, algorithm, draft, cpu_gemm="onednn", speculative_policy="fixed")
+    args = engine_args(tiny, algorithm, draft, cpu_gemm=kernel, speculative_policy="fixed")
     results = drive(args, [Arrival(0, spec(i, p, max_tokens=16, temperature=0.0)) for i, p in
                            enumerate(prompts)], world=world)
     final = final_outputs(results[0])

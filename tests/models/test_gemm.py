@@ -1,8 +1,10 @@
-"""CPU projections on torch's GEMM or oneDNN's packed weights (models/layers/gemm.py) and the
-start-up choice between them (engine/gemm_choice.py).
+"""CPU projections on torch's GEMM or a copy of the weights for another kernel (oneDNN's packed
+layout, the weights transposed: models/layers/gemm.py) and the start-up choice between them
+(engine/gemm_choice.py).
 
-Oracles: fp64 torch for the products, HF transformers for a packed model, closed-form
-arithmetic for the threshold, a fake forward whose cost per kernel is known for the measurement.
+Oracles: fp64 torch for the products, HF transformers for a model on either copy, closed-form
+arithmetic for the threshold and the kernel picked, a fake forward whose cost per kernel is
+known for the measurement.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ import torch
 from checkpoints import load_hf, write_checkpoint
 from model_runner import generate
 
-from dspark_launch.engine.gemm_choice import from_rows, measure
+from dspark_launch.engine.gemm_choice import from_rows, measure, pick_kernel
 from dspark_launch.models.layers import PackPlan, dense, pack, pack_model, unpack_model
-from dspark_launch.models.layers.gemm import NEVER
+from dspark_launch.models.layers.gemm import KERNELS, NEVER
 from dspark_launch.models.loader import load_model
 from dspark_launch.parallel import override_parallel
 
@@ -28,27 +30,29 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
         not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no bf16 on this CPU"))])
 @pytest.mark.parametrize("rows", [0, 1, 3, 17, 64])
 @pytest.mark.parametrize("bias", [False, True])
-def test_both_kernels_match_fp64(dtype, tol, rows, bias):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_every_kernel_matches_fp64(dtype, tol, rows, bias, kernel):
     g = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 40, generator=g).to(dtype)
     b = torch.randn(96, generator=g).to(dtype) if bias else None
     x = torch.randn(rows, 40, generator=g).to(dtype)
     want = x.double() @ weight.double().t() + (b.double() if bias else 0)
     plan = PackPlan()
-    packed = pack(weight, plan)
-    assert packed is not None
+    packed = pack(weight, plan, kernel)
+    assert packed is not None and packed.kernel == kernel
     for plan.from_rows in (1, NEVER):
         got = dense(x, weight, b, packed)
         assert got.shape == (rows, 96) and got.dtype == dtype
         torch.testing.assert_close(got.double(), want, atol=tol * 10, rtol=tol)
 
 
-def test_packed_kernel_serves_rows_from_the_plans_count():
-    """The packed copy is taken at the plan's row count and above, the plain weight below:
-    after the plain weight changes, each row count follows the copy it reads."""
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_copy_serves_rows_from_the_plans_count(kernel):
+    """The copy is taken at the plan's row count and above, the plain weight below: after the
+    plain weight changes, each row count follows the copy it reads."""
     weight = torch.randn(64, 32)
     plan = PackPlan(from_rows=4)
-    packed = pack(weight, plan)
+    packed = pack(weight, plan, kernel)
     old = weight.clone()
     weight.mul_(2.0)
     for rows in (1, 3, 4, 9):
@@ -61,17 +65,22 @@ def test_packed_kernel_serves_rows_from_the_plans_count():
                                rtol=1e-4)
 
 
-def test_only_cpu_fp32_and_bf16_matrices_are_packed():
-    assert pack(torch.randn(8, 8, dtype=torch.float16), PackPlan()) is None
-    assert pack(torch.randn(8), PackPlan()) is None
-    assert pack(torch.randn(8, 8), PackPlan()) is not None
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_only_cpu_fp32_and_bf16_matrices_are_packed(kernel):
+    assert pack(torch.randn(8, 8, dtype=torch.float16), PackPlan(), kernel) is None
+    assert pack(torch.randn(8), PackPlan(), kernel) is None
+    assert pack(torch.randn(8, 8), PackPlan(), kernel) is not None
     bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # oneDNN's own bf16 gate
-    assert (pack(torch.randn(8, 8, dtype=torch.bfloat16), PackPlan()) is not None) == bf16
+    assert (pack(torch.randn(8, 8, dtype=torch.bfloat16), PackPlan(), kernel) is not None
+            ) == bf16
+    with pytest.raises(ValueError, match="GEMM kernel 'fast': expected one of"):
+        pack(torch.randn(8, 8), PackPlan(), "fast")
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_packed_model_matches_hf(tmp_path, tied):
-    """Every projection packed (embedding-tied LM head too): prefill logits and 24 greedy
+@pytest.mark.parametrize("tied,kernel", [(False, "onednn"), (True, "onednn"),
+                                         (True, "transposed")])
+def test_packed_model_matches_hf(tmp_path, tied, kernel):
+    """Every projection on its copy (embedding-tied LM head too): prefill logits and 24 greedy
     tokens as HF's; unpacked again, the model keeps no copy and still matches."""
     ckpt = write_checkpoint(tmp_path / "ckpt", arch="qwen3", num_kv_heads=2, tied=tied,
                             attention_bias=True)
@@ -81,7 +90,7 @@ def test_packed_model_matches_hf(tmp_path, tied):
         model = load_model(ckpt, "float32")
         plan = PackPlan(from_rows=1)
         layers = 4 * model.config.num_hidden_layers + 1  # qkv, o, gate_up, down; LM head
-        assert pack_model(model, plan) == layers
+        assert pack_model(model, plan, kernel) == layers
         tokens, prefill = generate(model, prompts, 24)
         unpack_model(model)
         assert all(getattr(m, "packed", None) is None for m in model.modules())
@@ -126,3 +135,21 @@ def test_measure_times_each_kernel_alternately_and_keeps_the_fastest():
     assert calls[2:8] == [(1, False), (1, True)] * 3  # alternating after the warm-ups
     assert times == {n: (cost[n, False], cost[n, True]) for n in (1, 4, 16)}
     assert from_rows(times) == 4
+
+
+@pytest.mark.parametrize("times,want", [
+    # Xeon's embedded target (ms): oneDNN never 3% faster, the transposed copy from 4 rows.
+    ({"onednn": {1: (6.5, 6.3), 4: (6.8, 9.9), 64: (13.6, 18.3)},
+      "transposed": {1: (6.5, 6.5), 4: (6.8, 6.3), 64: (13.6, 11.1)}}, ("transposed", 4)),
+    # Both win from 4 rows: oneDNN saves (1 - 4/5) + (1 - 8/10) = 0.4, transposed 0.1 + 0.2.
+    ({"onednn": {1: (4.0, 4.0), 4: (5.0, 4.0), 64: (10.0, 8.0)},
+      "transposed": {1: (4.0, 4.0), 4: (5.0, 4.5), 64: (10.0, 8.0)}}, ("onednn", 4)),
+    # Transposed wins from 1 row by a little (3 x 0.05), oneDNN from 64 by more (0.3).
+    ({"onednn": {1: (4.0, 5.0), 4: (5.0, 5.5), 64: (10.0, 7.0)},
+      "transposed": {1: (4.0, 3.8), 4: (5.0, 4.75), 64: (10.0, 9.5)}}, ("onednn", 64)),
+    ({"onednn": {1: (4.0, 3.0)}, "transposed": {1: (4.0, 3.0)}}, ("onednn", 1)),  # tie: first
+    ({"onednn": {1: (4.0, 3.99)}, "transposed": {1: (4.0, 4.5)}}, ("torch", NEVER)),
+    ({}, ("torch", NEVER)),
+])
+def test_the_kernel_kept_is_the_one_whose_winning_run_saves_most(times, want):
+    assert pick_kernel(times) == want

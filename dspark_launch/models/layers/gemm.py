@@ -1,16 +1,22 @@
-"""Dense projections on CPU: torch's default GEMM (MKL, in fp32) or oneDNN with pre-packed
-weights.
+"""Dense projections on CPU: torch's default GEMM (MKL, in fp32), or a second copy of the
+weight laid out for a faster kernel from some row count up: oneDNN's pre-packed blocked
+layout, or the weight transposed ([in, out] row-major, read by MKL's GEMM without a transpose).
 
-Why two: on an AMD EPYC (Zen 4, one thread, fp32) MKL's GEMM for a few rows is slow, and a
-verify's rows paid for it. The engine's own start-up timings of the embedded target's forward
-plus its LM head (engine/gemm_choice.py; torch / oneDNN, ms): 1 token 4.58 / 5.18, 4 tokens
-6.08 / 5.35, 16 tokens 7.29 / 6.37, 64 tokens 13.44 / 11.90. So oneDNN takes the verify
-blocks, batches and prefill chunks, and MKL keeps single-token decoding. Which kernel wins,
-and from how many rows, is the CPU's (and its MKL code path's), so the engine measures it at
-start-up and every packed layer of a model shares that choice (PackPlan).
+Why: a few rows through MKL's GEMM on the weight as stored ([out, in], multiplied transposed)
+are slow on some CPUs, and a verify's rows paid for it.
+- AMD EPYC (Zen 4, one thread, fp32), the engine's own start-up timings of the embedded
+  target's forward plus its LM head (engine/gemm_choice.py; torch / oneDNN, ms): 1 token
+  4.58 / 5.18, 4 tokens 6.08 / 5.35, 16 tokens 7.29 / 6.37, 64 tokens 13.44 / 11.90.
+- Intel Xeon (one thread, fp32), the embedded target's 33 projections alone (torch /
+  transposed, us): 1 row 669 / 655, 2 rows 680 / 775, 4 rows 956 / 826, 9 rows 1267 / 1059,
+  17 rows 1912 / 1386, 64 rows 3916 / 3179 (oneDNN lost to torch's there at every count).
+So the copy takes the verify blocks, batches and prefill chunks, and torch's GEMM keeps
+single-token decoding. Which kernel wins, and from how many rows, is the CPU's (and its MKL
+code path's), so the engine measures it at start-up and every copied layer of a model shares
+that choice (PackPlan).
 
 A layer keeps its plain weight (loaders fill it; inputs below the plan's row count, and every
-device but the CPU, use it) and, once packed, a copy in oneDNN's blocked layout.
+device but the CPU, use it) and, once packed, one copy in the chosen kernel's layout.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 NEVER = sys.maxsize  # PackPlan.from_rows that keeps every input on the plain kernel
+KERNELS = ("onednn", "transposed")  # the copies a layer may keep (the start-up choice's order)
 
 
 @dataclass
@@ -35,35 +42,46 @@ class PackPlan:
 
 @dataclass(frozen=True)
 class Packed:
-    weight: torch.Tensor  # the layer's weight in oneDNN's layout
+    weight: torch.Tensor  # the layer's weight in the kernel's layout
     plan: PackPlan
+    kernel: str = "onednn"  # one of KERNELS
 
 
-def packable(weight: torch.Tensor) -> bool:
-    """oneDNN packs CPU fp32 matrices, and bf16 ones where the CPU has bf16 instructions
-    (without them oneDNN refuses bf16 linears); on other devices the plain kernel is the
-    device's own."""
-    if weight.device.type != "cpu" or weight.dim() != 2 or not (
-            torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+def packable(weight: torch.Tensor, kernel: str = "onednn") -> bool:
+    """CPU fp32 matrices, and bf16 ones where oneDNN takes them: the CPU has bf16
+    instructions (without them oneDNN refuses bf16 linears; the transposed copy's bf16 GEMM
+    is oneDNN's too). On other devices the plain kernel is the device's own."""
+    if kernel not in KERNELS:
+        raise ValueError(f"GEMM kernel {kernel!r}: expected one of {KERNELS}")
+    if weight.device.type != "cpu" or weight.dim() != 2:
+        return False
+    if kernel == "transposed" and weight.dtype == torch.float32:
+        return True
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
         return False
     if weight.dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return weight.dtype == torch.float32
 
 
-def pack(weight: torch.Tensor, plan: PackPlan) -> Packed | None:
-    """weight [out, in] -> its packed copy (None where oneDNN cannot take it)."""
-    if not packable(weight):
+def pack(weight: torch.Tensor, plan: PackPlan, kernel: str = "onednn") -> Packed | None:
+    """weight [out, in] -> its copy for `kernel` (None where the kernel cannot take it)."""
+    if not packable(weight, kernel):
         return None
+    if kernel == "transposed":
+        return Packed(weight.detach().t().contiguous(), plan, kernel)  # [in, out]
     # The batch-size hint only picks the blocked layout; every row count runs on it.
     blocked = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 16)
-    return Packed(blocked, plan)
+    return Packed(blocked, plan, kernel)
 
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: Packed | None = None) -> torch.Tensor:
-    """x [N, in] -> x weight^T + bias [N, out], on the packed kernel from the plan's rows."""
+    """x [N, in] -> x weight^T + bias [N, out], on the copy's kernel from the plan's rows."""
     if packed is not None and x.shape[0] >= packed.plan.from_rows:
+        if packed.kernel == "transposed":
+            w = packed.weight  # [in, out]
+            return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed.weight, bias, "none",
                                                   [], "")
     return F.linear(x, weight, bias)
@@ -79,19 +97,20 @@ class Packs:
         """The matrix the packed copy holds (None: this layer keeps none)."""
         return self.weight
 
-    def pack(self, plan: PackPlan) -> int:
+    def pack(self, plan: PackPlan, kernel: str = "onednn") -> int:
         source = self.pack_source()
-        self.packed = None if source is None else pack(source, plan)
+        self.packed = None if source is None else pack(source, plan, kernel)
         return int(self.packed is not None)
 
     def unpack(self) -> None:
         self.packed = None
 
 
-def pack_model(model: nn.Module, plan: PackPlan) -> int:
-    """Pack every layer of `model` that projects through dense(); -> how many packed copies
-    were made."""
-    return sum(module.pack(plan) for module in model.modules() if isinstance(module, Packs))
+def pack_model(model: nn.Module, plan: PackPlan, kernel: str = "onednn") -> int:
+    """Give every layer of `model` that projects through dense() its copy for `kernel`;
+    -> how many copies were made."""
+    return sum(module.pack(plan, kernel) for module in model.modules()
+               if isinstance(module, Packs))
 
 
 def unpack_model(model: nn.Module) -> None:
@@ -101,11 +120,11 @@ def unpack_model(model: nn.Module) -> None:
             module.unpack()
 
 
-def packable_bytes(model: nn.Module) -> int:
-    """What pack_model would copy (the bytes a packed copy adds, before oneDNN's padding)."""
+def packable_bytes(model: nn.Module, kernel: str = "onednn") -> int:
+    """What pack_model would copy (the bytes a copy adds, before oneDNN's padding)."""
     total = 0
     for module in model.modules():
         if isinstance(module, Packs) and (source := module.pack_source()) is not None \
-                and packable(source):
+                and packable(source, kernel):
             total += source.numel() * source.element_size()
     return total
