@@ -46,10 +46,10 @@ def _greedy_walk(draft, lm_head, hidden: torch.Tensor, anchors: torch.Tensor
     base = lm_head.local_logits(hidden.reshape(r * b, d))[:, :lm_head.owned].float()
     base = base.reshape(r, b, -1)  # [R, B, V_l]
     drafted = [anchors]
+    step = draft.markov_walk(lm_head.owned_ids)
     state = draft.markov_state(r, hidden.device)  # reset every block
-    for k in range(b):
-        logits, state = draft.markov_step(drafted[-1], hidden[:, k], state,
-                                          lm_head.owned_ids, base[:, k])  # [R, V_l]
+    for h, u in zip(hidden.unbind(1), base.unbind(1)):  # [R, d], [R, V_l] per slot
+        logits, state = step(drafted[-1], h, state, u)  # [R, V_l]
         drafted.append(lm_head.argmax(logits))  # seeds the next slot
     return torch.stack(drafted[1:], dim=1)
 
@@ -68,9 +68,10 @@ def _sampled_walk(draft, lm_head, hidden: torch.Tensor, anchors: torch.Tensor,
     slots = rows.repeat(b)
     u = uniforms(slots.keys, slots.positions, DRAFT).reshape(r, b)  # [R, B]
     prev = anchors
+    step = draft.markov_walk()
     state = draft.markov_state(r, hidden.device)  # reset every block
     for k in range(b):
-        logits, state = draft.markov_step(prev, hidden[:, k], state, None, base[:, k])
+        logits, state = step(prev, hidden[:, k], state, base[:, k])
         q[:, k] = target_probs(logits, rows)
         tokens[:, k] = draw(q[:, k], u[:, k])
         prev = tokens[:, k]  # the token actually drafted seeds the next slot
