@@ -170,7 +170,7 @@ def test_rnn_state_carries_within_a_block_and_resets_between_blocks(tmp_path):
                                             ("vanilla", 0)])
 def test_vocab_slice_is_the_columns_of_the_full_bias(tmp_path, head_type, rank):
     """markov_step(vocab=slice) computes just those columns (one rank's vocab shard), and
-    with base adds them to those logits."""
+    with base adds them to those logits; markov_walk(vocab) gives the same, slot after slot."""
     path = write_draft(tmp_path / "d", TARGET, "DSPARK", head_type=head_type, markov_rank=rank,
                        scale=3.0)
     draft = load_draft(path, TARGET)
@@ -196,3 +196,11 @@ def test_vocab_slice_is_the_columns_of_the_full_bias(tmp_path, head_type, rank):
     assert (s_sum is None) if state is None else torch.equal(s_sum, s_full)
     if rank == 0:
         assert torch.equal(full, torch.zeros(5, V))
+    # markov_walk: the same step, its columns taken once for every slot of a block.
+    walk = draft.markov_walk(slice(64, 128))
+    for _ in range(2):
+        walked, s_walk = walk(prev, hidden, state, base)
+        assert torch.equal(walked, summed)
+        assert (s_walk is None) if state is None else torch.equal(s_walk, s_full)
+    whole, _ = draft.markov_walk()(prev, hidden, state, torch.zeros(5, V))
+    torch.testing.assert_close(whole, full, atol=1e-6, rtol=1e-6)
