@@ -112,12 +112,10 @@ def choose_gemm(engine, mode: str, clock: Callable[[], float] = time.perf_counte
         raise ConfigError(f"--cpu-gemm={mode!r}: expected one of {', '.join(MODES)}")
     models = [engine.target] + ([engine.proposer.draft]
                                 if getattr(engine.proposer, "draft", None) is not None else [])
-    for model in models:
-        unpack_model(model)
+    _drop(models)
     kernel, rows, source = _choose(engine, mode, models, clock)
     if rows == NEVER:
-        for model in models:
-            unpack_model(model)
+        _drop(models)
         kernel = "torch"
     engine.gemm_kernel, engine.gemm_from_rows = kernel, rows
     return rows, source
@@ -166,9 +164,22 @@ def _pack(models: list, plan: PackPlan, kernel: str) -> str | None:
               if message is not None}
     if not failed:
         return None
+    _drop(models)
+    return "; ".join(f"rank {rank}: {message}" for rank, message in failed.items())
+
+
+def _auto_pack(models: list, plan: PackPlan, kernel: str) -> bool:
+    """_pack under auto: True, or a warning and no copies (torch's GEMM in their place)."""
+    failed = _pack(models, plan, kernel)
+    if failed is not None:
+        logger.warning("cpu gemm: copying the weights for %s failed on %s; not using it",
+                       kernel, failed)
+    return failed is None
+
+
+def _drop(models: list) -> None:
     for model in models:
         unpack_model(model)
-    return "; ".join(f"rank {rank}: {message}" for rank, message in failed.items())
 
 
 def _points(engine) -> list[int]:
@@ -205,7 +216,7 @@ def _measured(engine, models: list, kernels: list[str], plan: PackPlan,
     cached = broadcast_object(_cached(directory, key, kernels) if state.rank == 0 else None)
     if cached is not None:
         kernel, rows = cached
-        if rows == NEVER or _warned(_pack(models, plan, kernel), kernel) is None:
+        if rows == NEVER or _auto_pack(models, plan, kernel):
             plan.from_rows = rows
             return kernel, rows, "cache"
         return "torch", NEVER, "failed"
@@ -215,16 +226,19 @@ def _measured(engine, models: list, kernels: list[str], plan: PackPlan,
         engine.target.greedy(profile_forward(engine, n, _block(engine, n)))
 
     times: dict[str, Times] = {}
+    held = None  # the kernel whose copies the models hold (the last one timed)
     for kernel in kernels:
-        if _warned(_pack(models, plan, kernel), kernel) is None:
+        _drop(models)
+        held = kernel if _auto_pack(models, plan, kernel) else None
+        if held is not None:
             times[kernel] = broadcast_object(measure(run, plan, points, clock=clock))
-            for model in models:
-                unpack_model(model)
     if not times:
         return "torch", NEVER, "failed"
     kernel, rows = pick_kernel(times)
-    if rows != NEVER and _warned(_pack(models, plan, kernel), kernel) is not None:
-        return "torch", NEVER, "failed"
+    if rows != NEVER and held != kernel:  # (NEVER: choose_gemm drops the copies)
+        _drop(models)
+        if not _auto_pack(models, plan, kernel):
+            return "torch", NEVER, "failed"
     plan.from_rows = rows
     if state.rank == 0:
         disk_cache.write_json(directory, key, {
@@ -236,14 +250,6 @@ def _measured(engine, models: list, kernels: list[str], plan: PackPlan,
                 f"{n} tokens torch {1e3 * a:.2f} / {k} {1e3 * b:.2f} ms"
                 for n, (a, b) in pairs.items()))
     return kernel, rows, "measured"
-
-
-def _warned(failed: str | None, kernel: str) -> str | None:
-    """A kernel's failed copies under auto: a warning, and torch's GEMM in its place."""
-    if failed is not None:
-        logger.warning("cpu gemm: copying the weights for %s failed on %s; not using it",
-                       kernel, failed)
-    return failed
 
 
 def _cached(directory, key: str, kernels: list[str]) -> tuple[str, int] | None:

@@ -193,7 +193,7 @@ class DSparkDraft(DFlashDraft):
         """markov_step for one block's slots, its constants (the columns of `vocab`) worked
         out once: (prev, hidden, state, base) -> (l_k [N, V'] fp32, state'). A slot is a few
         small ops, and at batch 1 what each step() call repeated (the column view, the module
-        call) was ~15 us of a slot's ~60 (a greedy block of 8: 0.47 -> 0.34 ms, scratch)."""
+        call) was ~12 us of a slot's ~60 (a greedy block of 8: 0.47 -> 0.37-0.40 ms, scratch)."""
         head = self.markov_head
         if head is None:
             return lambda prev, hidden, state, base: self.markov_step(prev, hidden, state,
