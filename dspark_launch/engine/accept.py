@@ -107,8 +107,8 @@ def accept(target, layout: LogitRows, proposal: Proposal | None, hidden: torch.T
     if greedy:
         # Greedy fast path: argmax over the vocab shards, no softmax, no gathered row.
         best = target.greedy(picked)  # [N]
-        accept_len, nxt = greedy_accept(drafts, draft_lens, best[block_rows])
-        return Verified(best[:n_first], accept_len, committed_tokens(drafts, accept_len, nxt))
+        accept_len, committed = greedy_accept(drafts, draft_lens, best[block_rows])
+        return Verified(best[:n_first], accept_len, committed)
     p = _probs(target, picked, rows, bans)  # [N, V]
     u_sample, u_accept = _step_uniforms(rows, block_rows[:, :w - 1])
     q = proposal.q[:, :w - 1] if proposal.q is not None else None

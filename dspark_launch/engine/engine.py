@@ -424,9 +424,11 @@ class Engine:
             return ids
         w = 1 + max(widths)
         blocks = torch.cat([ids[len(host):, None], proposal.tokens[:, :w - 1]], dim=1)  # [R, W]
-        pick = upload([i * w + j for i, n in enumerate(widths) for j in range(1 + n)],
-                      torch.int64, self.device)
-        return torch.cat([ids[:len(host)], blocks.reshape(-1)[pick]])
+        flat = blocks.reshape(-1)
+        if min(widths) < w - 1:  # blocks of unequal widths: each one's own rows
+            flat = flat[upload([i * w + j for i, n in enumerate(widths) for j in range(1 + n)],
+                               torch.int64, self.device)]
+        return torch.cat([ids[:len(host)], flat])
 
     def _stop_ids(self, req: Request) -> tuple[int, ...]:
         eos = () if req.params.ignore_eos else self.limits.eos_ids

@@ -19,13 +19,15 @@ def greedy_accept(
     drafts: torch.Tensor,  # [R, K] int64, padded past each row's length
     draft_lens: torch.Tensor,  # [R] int64
     target_tokens: torch.Tensor,  # [R, K+1] int64, argmax of each verify row
-) -> tuple[torch.Tensor, torch.Tensor]:  # accept_len [R], bonus [R]
+) -> tuple[torch.Tensor, torch.Tensor]:  # accept_len [R], committed [R, K+1]
+    """Accepted drafts, and what the round commits (-1 padded): the accepted drafts ARE the
+    target's tokens at their rows and the bonus is the one after them, so the target's
+    tokens up to row accept_len are committed (no committed_tokens() over the drafts)."""
     k = drafts.shape[1]
-    valid = torch.arange(k, device=drafts.device)[None, :] < draft_lens[:, None]
-    match = (drafts == target_tokens[:, :k]) & valid
+    col = torch.arange(k + 1, device=drafts.device)[None, :]  # [1, K+1]
+    match = (drafts == target_tokens[:, :k]) & (col[:, :k] < draft_lens[:, None])
     accept_len = match.to(torch.int64).cumprod(dim=1).sum(dim=1)
-    bonus = target_tokens.gather(1, accept_len[:, None]).squeeze(1)
-    return accept_len, bonus
+    return accept_len, torch.where(col <= accept_len[:, None], target_tokens, -1)
 
 
 def rejection_accept(

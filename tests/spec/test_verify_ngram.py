@@ -37,11 +37,13 @@ def test_greedy_accept_prefix_only():
                            [5, 6, 0, 0]])
     lens = torch.tensor([4, 4, 4, 2, 2])
     target = torch.tensor([[5, 6, 7, 8, 42]] * 4 + [[5, 6, 0, 0, 9]])
-    acc, bonus = greedy_accept(drafts, lens, target)
+    acc, committed = greedy_accept(drafts, lens, target)
     # all match; mismatch at 1 (later matches do not count); mismatch at 0; capped by length;
     # matching padding past the length does not count.
     assert acc.tolist() == [4, 1, 0, 2, 2]
-    assert bonus.tolist() == [42, 6, 5, 7, 0]
+    # the accepted drafts, then the target's token after them, then -1
+    assert committed.tolist() == [[5, 6, 7, 8, 42], [5, 6, -1, -1, -1], [5, -1, -1, -1, -1],
+                                  [5, 6, 7, -1, -1], [5, 6, 0, -1, -1]]
 
 
 @settings(max_examples=200, deadline=None)
@@ -53,12 +55,13 @@ def test_greedy_accept_matches_loop(rows):
     drafts = torch.tensor([d + [0] * (k - len(d)) for d, _ in rows])
     lens = torch.tensor([len(d) for d, _ in rows])
     target = torch.tensor([t for _, t in rows])
-    acc, bonus = greedy_accept(drafts, lens, target)
+    acc, committed = greedy_accept(drafts, lens, target)
     for i, (d, t) in enumerate(rows):
         n = 0
         while n < len(d) and d[n] == t[n]:
             n += 1
-        assert acc[i] == n and bonus[i] == t[n]
+        assert acc[i] == n
+        assert committed[i].tolist() == d[:n] + [t[n]] + [-1] * (k - n)
 
 
 def _uniforms(n: int, k: int, purpose: int, seed: int = 0) -> torch.Tensor:  # [n, k]
@@ -81,10 +84,11 @@ def test_rejection_at_zero_temperature_is_greedy(k, seed, temp):
         drafts[cut] = (drafts[cut] + 1) % 11
     q = probs_from_logits(torch.nn.functional.one_hot(drafts, 11).float(), temp)
     u_acc, u_s = _uniforms(1, k, ACCEPT, seed), _uniforms(1, k + 1, SAMPLE, seed)
-    g_acc, g_bonus = greedy_accept(drafts[None], torch.tensor([k]), target[None])
+    g_acc, g_committed = greedy_accept(drafts[None], torch.tensor([k]), target[None])
+    g_bonus = g_committed[0, g_acc[0]]
     for q_arg in (q[None], None):
         acc, nxt = rejection_accept(drafts[None], torch.tensor([k]), q_arg, p[None], u_acc, u_s)
-        assert (int(acc[0]), int(nxt[0])) == (int(g_acc[0]), int(g_bonus[0]))
+        assert (int(acc[0]), int(nxt[0])) == (int(g_acc[0]), int(g_bonus))
 
 
 def _toy(seed: int, v: int = 6):

@@ -85,8 +85,11 @@ class ParallelLMHead(Packs, VocabParallelEmbedding):
         Ties go to the lowest id: torch.max picks the first maximum within a shard, and
         shards are ordered by id, so the first rank holding the global max wins.
         """
-        if self.shards == 1:  # one shard holds the whole vocabulary: a plain argmax
-            return local.argmax(dim=-1)
+        if self.shards == 1:  # one shard holds the whole vocabulary: its first maximum
+            # max's indices, not argmax: the same first maximum, and on CPU 1.6x faster
+            # from 4 rows (fp32, 2048 ids: 16 rows 41 us against 65; 64 rows 154 against
+            # 257), which the greedy walk pays per slot and a greedy verify per block row.
+            return local.max(dim=-1).indices
         local = local[:, :self.owned].float()  # [N, owned]
         n = local.shape[0]
         if self.owned:
