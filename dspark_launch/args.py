@@ -11,6 +11,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 
+from dspark_launch.engine.gemm_choice import MODES as GEMM_MODES
 from dspark_launch.errors import ConfigError
 from dspark_launch.parallel import launch_world_size, validate_layout
 from dspark_launch.spec.policy import POLICIES
@@ -154,7 +155,7 @@ def build_parser(serve: bool = False) -> argparse.ArgumentParser:
                    "from measured steps only")
     g.add_argument("--attention-backend", choices=("auto", "triton", "torch"), default="auto",
                    help="auto: triton on CUDA, torch on CPU")
-    g.add_argument("--cpu-gemm", choices=("auto", "torch", "onednn", "transposed"),
+    g.add_argument("--cpu-gemm", choices=GEMM_MODES,
                    default="auto",
                    help="CPU projections: auto times the forward at start-up on torch's "
                    "GEMM and on each kernel with a copy of the weights (oneDNN's packed "

@@ -55,6 +55,7 @@ import torch
 
 from dspark_launch.args import parse_bytes
 from dspark_launch.engine.build import ASSETS, EngineArgs, build_engine
+from dspark_launch.engine.gemm_choice import MODES as GEMM_MODES
 from dspark_launch.engine.heap import freeze_heap
 from dspark_launch.engine.inputs import BUILTIN_PROMPTS
 from dspark_launch.engine.params import SamplingParams
@@ -316,7 +317,7 @@ def main() -> None:
                     help="verify-length policy of every speculative algorithm")
     ap.add_argument("--kv-cache-memory", default="256MiB")
     ap.add_argument("--attention-backend", default="auto")
-    ap.add_argument("--cpu-gemm", default="auto", choices=("auto", "torch", "onednn"),
+    ap.add_argument("--cpu-gemm", default="auto", choices=GEMM_MODES,
                     help="every engine's CPU GEMM (engine/gemm_choice.py)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--threads", type=int, default=1,

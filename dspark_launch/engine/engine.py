@@ -355,9 +355,10 @@ class Engine:
             return [0] * len(decode)
         widths = [min(w, self._draft_limit(r)) for r, w in zip(decode, proposal.widths)]
         if self.policy is not None:
-            # DSpark: the confidences come to the host (one small read), since the verify's
-            # width must be host-known, as for the confidence cut. "fixed" keeps every draft
-            # and only predicts (the summary's calibration check).
+            # DSpark: the confidences, where the policy reads them, come to the host (one
+            # small read), since the verify's width must be host-known, as for the confidence
+            # cut. "fixed" keeps every draft and only predicts (the summary's calibration
+            # check).
             chosen = self.policy.choose([r.index for r in decode],
                                         [request_class(r) for r in decode], widths,
                                         self._base_tokens(plan), proposal.conf,

@@ -10,6 +10,7 @@ against the shared step time), so each group decides for its own requests.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -101,4 +102,6 @@ def spread(proposal: Proposal, index: list[int], total: int) -> Proposal:
     for i, w in zip(index, proposal.widths):
         widths[i] = w
     return dataclasses.replace(proposal, tokens=scatter(proposal.tokens), widths=widths,
-                               q=scatter(proposal.q), conf=scatter(proposal.conf))
+                               q=scatter(proposal.q),
+                               conf=None if proposal.conf is None else
+                               functools.cache(lambda: scatter(proposal.conf())))

@@ -137,11 +137,10 @@ class DSparkProposer(DFlashProposer):
         h = self._block_hidden(reqs, int(self.block_for(max(limits))))  # [R, b, d]
         anchors = upload([q.anchor for q in reqs], torch.int64, h.device)
         tokens, q, conf = walk_block(self.draft, self.target.lm_head, h, anchors, rows)
-        kept = confident_length(conf, self.threshold)
-        if kept is None:
+        if self.threshold <= 0:
             return Proposal(tokens, list(limits), q, conf=conf)
         # The cut shortens the verify itself, so the host must know it: one extra read.
-        (cut,) = to_host(kept)
+        (cut,) = to_host(confident_length(conf(), self.threshold))
         return Proposal(tokens, [min(n, c) for n, c in zip(limits, cut)], q, conf=conf)
 
 

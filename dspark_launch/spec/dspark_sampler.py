@@ -10,6 +10,9 @@ rows) is kept for acceptance; one keyed uniform per request per slot draws x_k.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 
 from dspark_launch.spec.keyed import DRAFT, uniforms
@@ -23,7 +26,9 @@ def walk_block(
     hidden: torch.Tensor,  # [R, B, d] final-normed block outputs
     anchors: torch.Tensor,  # [R] int64
     rows: SamplingRows,  # per request; positions = output position of slot 0
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:  # tokens [R, B], q, conf [R, B]
+) -> tuple[torch.Tensor, torch.Tensor | None, Callable[[], torch.Tensor]]:
+    """-> tokens [R, B], q [R, B, V] (None: all greedy), conf: () -> [R, B] (computed once,
+    when first called: a batch-1 round's ~45 us that most steps never read)."""
     r, b, d = hidden.shape
     flat = hidden.reshape(r * b, d)
     if rows.all_greedy:
@@ -33,7 +38,7 @@ def walk_block(
     # Slot k's Markov input is the token drafted before it (the anchor at k = 0).
     prevs = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)  # [R, B]
     # c_k reads h_k and x_{k-1} only: every slot at once, once the walk has drawn them.
-    conf = draft.confidence(flat, prevs.reshape(-1)).reshape(r, b)
+    conf = functools.cache(lambda: draft.confidence(flat, prevs.reshape(-1)).reshape(r, b))
     return tokens, q, conf
 
 

@@ -489,10 +489,11 @@ class VerifyPolicy:
                              base_tokens)
 
     def choose(self, keys: Sequence[object], classes: Sequence[str], limits: Sequence[int],
-               base_tokens: int, conf: torch.Tensor | None = None, draft_rows: int = 0
-               ) -> list[int]:
-        """The lengths to verify, after drafting. `conf` [R, K]: DSpark's raw c_{r,1..K}
-        (None for the others, whose estimates are the tracker's); `draft_rows`: what was drafted
+               base_tokens: int, conf: Callable[[], torch.Tensor] | None = None,
+               draft_rows: int = 0) -> list[int]:
+        """The lengths to verify, after drafting. `conf` () -> [R, K]: DSpark's raw
+        c_{r,1..K}, called only when read (None for the others, whose estimates are the
+        tracker's); `draft_rows`: what was drafted
         (Proposer.draft_rows; paid already: a constant in every candidate's price)."""
         self._choices += 1
         if self.adaptive and not self._model and self._choices % CALIBRATION_EVERY:
@@ -501,7 +502,7 @@ class VerifyPolicy:
             # (every step's were ~2% of a batch-1 step).
             return list(limits)
         if conf is not None:
-            cal = apply_temperatures(conf, self.temperatures).tolist()  # one device->host copy
+            cal = apply_temperatures(conf(), self.temperatures).tolist()  # one device->host copy
             cond = [self.correction.apply(cls, row[:lim])
                     for cls, row, lim in zip(classes, cal, limits)]
         else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,9 +18,11 @@ class Proposal:
     # [R, K, V] fp32: the distribution each draft was drawn from; None: a point mass at the
     # draft (NGRAM, and model drafts when every request is greedy).
     q: torch.Tensor | None = None
-    # [R, K] fp32 on the device: DSpark's raw confidence c_k of each draft (read with the
-    # draft before it), for the verify-length policy; None for drafters without a head.
-    conf: torch.Tensor | None = None
+    # DSpark: -> [R, K] fp32 on the device, the raw confidence c_k of each draft (read with
+    # the draft before it), for the verify-length policy, computed at the first call (a
+    # fixed-cap ladder reads them at one step in four: CALIBRATION_EVERY); None for drafters
+    # without a head.
+    conf: Callable[[], torch.Tensor] | None = None
 
     @classmethod
     def from_lists(cls, tokens: list[list[int]], device: torch.device | str) -> Proposal:

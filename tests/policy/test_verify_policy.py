@@ -45,7 +45,7 @@ def run(policy: VerifyPolicy, accept, steps: int, conf=None, planned=None) -> li
             planned.append(sum(plan))
         drafted = sum(1 for n in plan if n)
         lengths = policy.choose(keys, classes, plan, REQS,
-                                conf=torch.tensor([conf] * REQS) if conf else None,
+                                conf=(lambda: torch.tensor([conf] * REQS)) if conf else None,
                                 draft_rows=drafted)
         assert all(0 <= n <= p for n, p in zip(lengths, plan))
         for k, n in zip(keys, lengths):
