@@ -1,6 +1,8 @@
+import pytest
 import torch
 
 from dspark_launch.attention import build_metadata
+from dspark_launch.attention.metadata import _device_rows, _host_rows
 
 
 def test_build_metadata_csr():
@@ -32,3 +34,24 @@ def test_build_metadata_empty_batch():
     assert meta.num_tokens == 0 and meta.num_requests == 0 and not meta.is_decode
     assert meta.q_indptr.tolist() == [0] and meta.kv_indptr.tolist() == [0]
     assert meta.kv_indices.numel() == 0 and meta.out_rows.numel() == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_host_and_device_rows_match_a_loop(seed, dtype):
+    """The two ways of gathering a batch's rows (numpy slices of a host table; tensor gathers
+    on the table's device, run here on CPU) against a per-token Python loop."""
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randint(0, 10**6, (8, 64), generator=gen).to(dtype)
+    b = int(torch.randint(1, 9, (), generator=gen))
+    slots = torch.randperm(8, generator=gen)[:b].tolist()
+    q_lens = torch.randint(1, 17, (b,), generator=gen).tolist()
+    prefix_lens = [int(torch.randint(0, 64 - q + 1, (), generator=gen)) for q in q_lens]
+    kv_lens = [p + q for p, q in zip(prefix_lens, q_lens)]
+    kv = [int(table[s, i]) for s, k in zip(slots, kv_lens) for i in range(k)]
+    pos = [p + i for p, q in zip(prefix_lens, q_lens) for i in range(q)]
+    out = [int(table[s, p + i]) for s, p, q in zip(slots, prefix_lens, q_lens) for i in range(q)]
+    for rows in (_host_rows, _device_rows):
+        got = rows(table, slots, prefix_lens, q_lens, kv_lens)
+        assert [t.tolist() for t in got] == [kv, pos, out], rows.__name__
+        assert all(t.dtype == torch.int64 for t in got), rows.__name__
