@@ -35,10 +35,15 @@ def walk_block(
         tokens, q = _greedy_walk(draft, lm_head, hidden, anchors), None
     else:
         tokens, q = _sampled_walk(draft, lm_head, hidden, anchors, rows)
-    # Slot k's Markov input is the token drafted before it (the anchor at k = 0).
-    prevs = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)  # [R, B]
-    # c_k reads h_k and x_{k-1} only: every slot at once, once the walk has drawn them.
-    conf = functools.cache(lambda: draft.confidence(flat, prevs.reshape(-1)).reshape(r, b))
+
+    @functools.cache
+    @torch.no_grad()
+    def conf() -> torch.Tensor:  # [R, B]
+        # c_k reads h_k and x_{k-1} only (the anchor at k = 0): every slot at once, once the
+        # walk has drawn them.
+        prevs = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)  # [R, B]
+        return draft.confidence(flat, prevs.reshape(-1)).reshape(r, b)
+
     return tokens, q, conf
 
 
