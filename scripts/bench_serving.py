@@ -6,39 +6,37 @@
         [--twins 1] [--max-new-tokens 64]
         [--out docs/bench/bench_serving.json] [--plot PNG (default: --out's name, .png)]
 
-A world of one (tp1, CPU by default, --threads 1). For each algorithm and batch size one engine
-is built; for each temperature and repeat the prompts run at a concurrency of `batch` (a new
-request is added as soon as one finishes, as vLLM's --max-concurrency does; fixed waves that
-drained to their slowest request penalised speculation, whose requests finish at different
-steps), every algorithm's engine taking turns of TURN_S (1 s) with the others, so the noise of a
-shared machine lands on all of them alike; each step is timed alone. --warmup passes (default
-one) run first, unmeasured in the table and reported in the JSON: each engine's verify-length
-policy learns online from plain decoding up, once per engine (a server pays it once at
-start-up), and a 128-prompt repeat at batch 64 is only ~128 steps. The engine runs with
-disable_mixed_chunk, so a step prefills or decodes, never both:
-decode tok/s counts only the tokens and wall time of steps that prefilled nothing
-(engine.last_step). Each number is the median of the repeats.
-Decode throughput is also reported at full concurrency (full_tok_s, full_speedup_vs_none):
-over the decode steps in which all `batch` slots decoded, i.e. without the last wave's drain.
-Every request asks for the same number of tokens, so plain decoding's requests finish
-together and it never drains, while a speculative engine's finish a few steps apart and its
-last ~max_new_tokens / tau steps run part-empty (batch 64 greedy, 512 prompts, DSpark
-verifying 1 draft: 6% of its decode time, a 2% lower ratio; scratch measurement). Both are
-kept: decode tok/s is what a finite batch job of equal-length requests sees, the full figure
-what a server holding `batch` requests sees. drafting_share is the part of decode time spent
-in steps where some request drafted, drafting_vs_plain those steps' tokens/s over the plain
-steps': at a cell where nothing pays, what a speculative engine's tries cost it. Greedy
-outputs of every algorithm are checked against NONE's (lossless). Fewer than --num-prompts
-prompts in the file are stretched by cutting each at earlier line ends (distinct, shorter
-prompts).
-A cell at batch b runs max(--num-prompts, --min-waves x b) prompts (the prompt list again
-when the file has fewer), so a large batch is measured in its steady state, over enough turns.
---noise-band adds a second NONE engine (NONE/2) at the batches named: its ratio to NONE is
-what the measurement itself scatters by, the band within which a ratio means nothing.
+A world of one (tp1, CPU by default, --threads 1), one process per batch size (several
+--batches: each runs in a process of its own, merged into one JSON; run_apart). For each
+algorithm and batch size one engine is built; for each temperature and repeat the prompts run at
+a concurrency of `batch` (a new request is added as soon as one finishes, as vLLM's
+--max-concurrency does; fixed waves that drained to their slowest request penalised speculation,
+whose requests finish at different steps), every algorithm's engine taking turns of TURN_S (1 s)
+with the others, so the noise of a shared machine lands on all of them alike; each step is timed
+alone. --warmup passes (default one) run first, unmeasured in the table and reported in the
+JSON: each engine's verify-length policy learns online from plain decoding up, once per engine
+(a server pays it once at start-up), and a 128-prompt repeat at batch 64 is only ~128 steps. The
+engine runs with disable_mixed_chunk, so a step prefills or decodes, never both: decode tok/s
+counts only the tokens and wall time of steps that prefilled nothing (engine.last_step). Each
+number is the median of the repeats. Decode throughput is also reported at full concurrency
+(full_tok_s, full_speedup_vs_none): over the decode steps in which all `batch` slots decoded,
+i.e. without the last wave's drain. Every request asks for the same number of tokens, so plain
+decoding's requests finish together and it never drains, while a speculative engine's finish a
+few steps apart and its last ~max_new_tokens / tau steps run part-empty (batch 64 greedy, 512
+prompts, DSpark verifying 1 draft: 6% of its decode time, a 2% lower ratio; scratch
+measurement). Both are kept: decode tok/s is what a finite batch job of equal-length requests
+sees, the full figure what a server holding `batch` requests sees. drafting_share is the part of
+decode time spent in steps where some request drafted, drafting_vs_plain those steps' tokens/s
+over the plain steps': at a cell where nothing pays, what a speculative engine's tries cost it.
+Greedy outputs of every algorithm are checked against NONE's (lossless). Fewer than
+--num-prompts prompts in the file are stretched by cutting each at earlier line ends (distinct,
+shorter prompts). A cell at batch b runs max(--num-prompts, --min-waves x b) prompts (the prompt
+list again when the file has fewer), so a large batch is measured in its steady state, over
+enough turns. --noise-band adds a second NONE engine (NONE/2) at the batches named: its ratio to
+NONE is what the measurement itself scatters by, the band within which a ratio means nothing.
 --twins K makes that K copies (NONE/2 .. NONE/K+1): with `--algorithms NONE` the run measures
-the harness's own resolution, how far identical engines' medians fall from NONE's.
-Defaults: the embedded tiny model, its drafts, the built-in held-out prompts.
-"""
+the harness's own resolution, how far identical engines' medians fall from NONE's. Defaults: the
+embedded tiny model, its drafts, the built-in held-out prompts. """
 
 from __future__ import annotations
 
@@ -47,6 +45,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -286,8 +287,59 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _without(argv: list[str], names: set[str]) -> list[str]:
+    """argv less the options `names` and their values (values: the tokens up to the next
+    option)."""
+    out, dropping = [], False
+    for token in argv:
+        if token.startswith("--"):
+            dropping = token.split("=", 1)[0] in names
+        if not dropping:
+            out.append(token)
+    return out
+
+
+def run_apart(args, argv: list[str]) -> None:
+    """Each batch size in a process of its own (this script with --batches <b>), the parts
+    merged into one JSON and plot. In one process the engines of a later batch size are built
+    after the earlier ones were shut down, and ran slower: at batch 64 after batch 16, DFLASH
+    and DSPARK read 0.875-0.935x NONE at plain decoding in every repeat (round 33,
+    docs/bench/HISTORY.md), and 0.995-1.022x run alone. A server builds its engine once, in a
+    fresh process."""
+    own = _without(argv, {"--batches", "--noise-band", "--out", "--plot"})
+    merged: dict[str, dict] = {"results": {}, "warmup": {}, "ladders": {}}
+    meta: dict | None = None
+    with tempfile.TemporaryDirectory() as tmp:
+        for batch in args.batches:
+            out = Path(tmp) / f"batch_{batch}.json"
+            child = [sys.executable, __file__, *own, "--batches", str(batch), "--out", str(out),
+                     "--plot", str(out.with_suffix(".png"))]
+            if batch in args.noise_band:
+                child += ["--noise-band", str(batch)]
+            print(f"batch {batch}: {' '.join(child[1:])}", flush=True)
+            if (rc := subprocess.run(child).returncode) != 0:
+                sys.exit(f"bench_serving: the run of batch {batch} exited with {rc}")
+            part = json.loads(out.read_text())
+            for key, value in merged.items():
+                value.update(part[key])
+            if meta is None:
+                meta = part["meta"]
+            else:  # the per-batch fields
+                for key in ("num_prompts", "gemm_from_rows"):
+                    meta[key].update(part["meta"][key])
+                meta["distinct_prompts"] = max(meta["distinct_prompts"],
+                                               part["meta"]["distinct_prompts"])
+    meta["processes"] = "one per batch size"
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"meta": meta, **merged}, indent=2))
+    print(f"wrote {args.out}")
+    plot(merged["results"], Path(args.plot) if args.plot else Path(args.out).with_suffix(".png"))
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    # No abbreviations: run_apart() rewrites a run's own options for each batch size.
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--model", default=str(ASSETS / "target"))
     ap.add_argument("--dflash", default=str(ASSETS / "dflash"))
     ap.add_argument("--dspark", default=str(ASSETS / "dspark"))
@@ -328,12 +380,6 @@ def main() -> None:
                     help="the plot's path (default: --out's, with .png: a run's JSON and plot "
                     "stay together)")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-
-    from dspark_launch.args import resolve_config
-    from dspark_launch.parallel import destroy_parallel_runtime, init_parallel_runtime
-
-    init_parallel_runtime(resolve_config(["--device", args.device], world_size=1))
     if args.noise_band and "NONE" not in args.algorithms:
         ap.error("--noise-band compares a second NONE engine with NONE: add NONE to "
                  f"--algorithms (got {' '.join(args.algorithms)})")
@@ -341,6 +387,15 @@ def main() -> None:
         ap.error(f"--noise-band {missing}: not among --batches {args.batches}")
     if args.twins < 1:
         ap.error(f"--twins {args.twins}: the noise band needs at least one NONE copy (>= 1)")
+    if len(args.batches) > 1:
+        run_apart(args, sys.argv[1:])
+        return
+    torch.set_num_threads(args.threads)
+
+    from dspark_launch.args import resolve_config
+    from dspark_launch.parallel import destroy_parallel_runtime, init_parallel_runtime
+
+    init_parallel_runtime(resolve_config(["--device", args.device], world_size=1))
 
     def cell_prompts(batch: int) -> int:
         return max(args.num_prompts, args.min_waves * batch)
