@@ -301,11 +301,10 @@ def _without(argv: list[str], names: set[str]) -> list[str]:
 
 def run_apart(args, argv: list[str]) -> None:
     """Each batch size in a process of its own (this script with --batches <b>), the parts
-    merged into one JSON and plot. In one process the engines of a later batch size are built
-    after the earlier ones were shut down, and ran slower: at batch 64 after batch 16, DFLASH
-    and DSPARK read 0.875-0.935x NONE at plain decoding in every repeat (round 33,
-    docs/bench/HISTORY.md), and 0.995-1.022x run alone. A server builds its engine once, in a
-    fresh process."""
+    merged into one JSON and plot. Run in one process after batch 16, DFLASH and DSPARK read
+    0.875-0.935x NONE at batch 64, at plain decoding, in every repeat, and 0.995-1.022x run
+    alone (round 33, docs/bench/HISTORY.md; the cause is not known). A server builds its
+    engine once, in a fresh process."""
     own = _without(argv, {"--batches", "--noise-band", "--out", "--plot"})
     merged: dict[str, dict] = {"results": {}, "warmup": {}, "ladders": {}}
     meta: dict | None = None
