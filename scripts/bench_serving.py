@@ -6,37 +6,40 @@
         [--twins 1] [--max-new-tokens 64]
         [--out docs/bench/bench_serving.json] [--plot PNG (default: --out's name, .png)]
 
-A world of one (tp1, CPU by default, --threads 1), one process per batch size (several
---batches: each runs in a process of its own, merged into one JSON; run_apart). For each
-algorithm and batch size one engine is built; for each temperature and repeat the prompts run at
-a concurrency of `batch` (a new request is added as soon as one finishes, as vLLM's
---max-concurrency does; fixed waves that drained to their slowest request penalised speculation,
-whose requests finish at different steps), every algorithm's engine taking turns of TURN_S (1 s)
-with the others, so the noise of a shared machine lands on all of them alike; each step is timed
-alone. --warmup passes (default one) run first, unmeasured in the table and reported in the
-JSON: each engine's verify-length policy learns online from plain decoding up, once per engine
-(a server pays it once at start-up), and a 128-prompt repeat at batch 64 is only ~128 steps. The
-engine runs with disable_mixed_chunk, so a step prefills or decodes, never both: decode tok/s
-counts only the tokens and wall time of steps that prefilled nothing (engine.last_step). Each
-number is the median of the repeats. Decode throughput is also reported at full concurrency
-(full_tok_s, full_speedup_vs_none): over the decode steps in which all `batch` slots decoded,
-i.e. without the last wave's drain. Every request asks for the same number of tokens, so plain
-decoding's requests finish together and it never drains, while a speculative engine's finish a
-few steps apart and its last ~max_new_tokens / tau steps run part-empty (batch 64 greedy, 512
-prompts, DSpark verifying 1 draft: 6% of its decode time, a 2% lower ratio; scratch
-measurement). Both are kept: decode tok/s is what a finite batch job of equal-length requests
-sees, the full figure what a server holding `batch` requests sees. drafting_share is the part of
-decode time spent in steps where some request drafted, drafting_vs_plain those steps' tokens/s
-over the plain steps': at a cell where nothing pays, what a speculative engine's tries cost it.
-Greedy outputs of every algorithm are checked against NONE's (lossless). Fewer than
---num-prompts prompts in the file are stretched by cutting each at earlier line ends (distinct,
-shorter prompts). A cell at batch b runs max(--num-prompts, --min-waves x b) prompts (the prompt
-list again when the file has fewer), so a large batch is measured in its steady state, over
-enough turns. --noise-band adds a second NONE engine (NONE/2) at the batches named: its ratio to
-NONE is what the measurement itself scatters by, the band within which a ratio means nothing.
+A world of one (tp1, CPU by default, --threads 1); several --batches run one process each, their
+JSON merged (run_apart). For each algorithm and batch size one engine is built; for each
+temperature and repeat the prompts run at a concurrency of `batch` (a new
+request is added as soon as one finishes, as vLLM's --max-concurrency does; fixed waves that
+drained to their slowest request penalised speculation, whose requests finish at different
+steps), every algorithm's engine taking turns of TURN_S (1 s) with the others, so the noise of a
+shared machine lands on all of them alike; each step is timed alone. --warmup passes (default
+one) run first, unmeasured in the table and reported in the JSON: each engine's verify-length
+policy learns online from plain decoding up, once per engine (a server pays it once at
+start-up), and a 128-prompt repeat at batch 64 is only ~128 steps. The engine runs with
+disable_mixed_chunk, so a step prefills or decodes, never both:
+decode tok/s counts only the tokens and wall time of steps that prefilled nothing
+(engine.last_step). Each number is the median of the repeats.
+Decode throughput is also reported at full concurrency (full_tok_s, full_speedup_vs_none):
+over the decode steps in which all `batch` slots decoded, i.e. without the last wave's drain.
+Every request asks for the same number of tokens, so plain decoding's requests finish
+together and it never drains, while a speculative engine's finish a few steps apart and its
+last ~max_new_tokens / tau steps run part-empty (batch 64 greedy, 512 prompts, DSpark
+verifying 1 draft: 6% of its decode time, a 2% lower ratio; scratch measurement). Both are
+kept: decode tok/s is what a finite batch job of equal-length requests sees, the full figure
+what a server holding `batch` requests sees. drafting_share is the part of decode time spent
+in steps where some request drafted, drafting_vs_plain those steps' tokens/s over the plain
+steps': at a cell where nothing pays, what a speculative engine's tries cost it. Greedy
+outputs of every algorithm are checked against NONE's (lossless). Fewer than --num-prompts
+prompts in the file are stretched by cutting each at earlier line ends (distinct, shorter
+prompts).
+A cell at batch b runs max(--num-prompts, --min-waves x b) prompts (the prompt list again
+when the file has fewer), so a large batch is measured in its steady state, over enough turns.
+--noise-band adds a second NONE engine (NONE/2) at the batches named: its ratio to NONE is
+what the measurement itself scatters by, the band within which a ratio means nothing.
 --twins K makes that K copies (NONE/2 .. NONE/K+1): with `--algorithms NONE` the run measures
-the harness's own resolution, how far identical engines' medians fall from NONE's. Defaults: the
-embedded tiny model, its drafts, the built-in held-out prompts. """
+the harness's own resolution, how far identical engines' medians fall from NONE's.
+Defaults: the embedded tiny model, its drafts, the built-in held-out prompts.
+"""
 
 from __future__ import annotations
 
