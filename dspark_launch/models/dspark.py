@@ -39,10 +39,25 @@ class _HeadLinear(ColumnParallelLinear):
         return None
 
 
+class _MarkovColumns(_HeadLinear):
+    """W2 [V, r], which the walk multiplies by every slot's e [N, r] from the right. With the
+    run's transposed GEMM (gemm.py) it keeps W2^T [r, V] too and the walk reads that at every
+    row count (MarkovHead.columns): through the stored layout, read transposed, one thread's
+    [1, 32] x [32, 2048] product took 20.5 us, from the copy 8.1 (2 rows 20.1 / 10.2, 16 rows
+    40.2 / 32.5, 64 rows 127 / 117; Xeon, fp32, median of 300), and a batch-1 greedy round
+    runs one per slot. oneDNN's blocked copy cannot be sliced by vocabulary: none is kept."""
+
+    kernels = ("transposed",)
+
+    def pack_source(self) -> torch.Tensor:
+        return self.weight
+
+
 def _replicated_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                       device: torch.device | str) -> ColumnParallelLinear:
-    return _HeadLinear(in_features, out_features, bias=bias, shards=1, rank=0, dtype=dtype,
-                       device=device)
+                       device: torch.device | str, kind: type = _HeadLinear
+                       ) -> ColumnParallelLinear:
+    return kind(in_features, out_features, bias=bias, shards=1, rank=0, dtype=dtype,
+                device=device)
 
 
 class _Table(nn.Module):
@@ -72,7 +87,8 @@ class MarkovHead(nn.Module):
         v, r, d = cfg.vocab_size, cfg.markov_rank, cfg.hidden_size
         self.head_type, self.rank = cfg.markov_head_type, r
         self.markov_w1 = _Table(v, r, dtype, device)  # [V, r]
-        self.markov_w2 = _replicated_linear(r, v, False, dtype, device)  # weight [V, r]
+        self.markov_w2 = _replicated_linear(r, v, False, dtype, device,
+                                            _MarkovColumns)  # weight [V, r]
         # DeepSpec builds gate_proj / joint_proj as default nn.Linear layers, so real
         # checkpoints carry their biases; the loader drops the bias of a checkpoint without
         # one (bias 0).
@@ -104,7 +120,11 @@ class MarkovHead(nn.Module):
 
     def columns(self, vocab: slice | None = None) -> torch.Tensor:  # -> W2[vocab]^T [r, V']
         """The bias's columns for `vocab` (all ids: None), a view: a walk takes them once per
-        block, not once per slot."""
+        block, not once per slot. From W2's transposed copy where it keeps one
+        (_MarkovColumns), else W2 read transposed."""
+        packed = self.markov_w2.packed
+        if packed is not None:  # [r, V], rows contiguous
+            return packed.weight if vocab is None else packed.weight[:, vocab]
         w2 = self.markov_w2.weight if vocab is None else self.markov_w2.weight[vocab]
         return w2.t()
 

@@ -17,6 +17,7 @@ from draft_checkpoints import tiny_target_config, write_draft
 from safetensors.torch import load_file
 
 from dspark_launch.models.draft_loader import load_draft
+from dspark_launch.models.layers import PackPlan, pack_model, unpack_model
 from dspark_launch.parallel import override_parallel
 
 TARGET = tiny_target_config()
@@ -120,6 +121,32 @@ def test_greedy_block_logits_match_reference(tmp_path, head_type):
     assert torch.equal(q, torch.nn.functional.one_hot(tokens, V).float())
     # The head decides tokens here (otherwise the token check above would be vacuous).
     assert not torch.equal(tokens, base.argmax(-1))
+
+
+@pytest.mark.parametrize("head_type", ["vanilla", "gated", "rnn"])
+def test_w2s_transposed_copy_walks_as_the_reference(tmp_path, head_type):
+    """Under the run's transposed GEMM, W2 keeps W2^T [r, V] and the walk reads it (every
+    vocab slice a view of it): tokens and logits still the reference's. oneDNN's blocked copy
+    cannot be sliced by vocabulary: W2 keeps none; unpacked, W2 is read transposed again."""
+    draft, raw, sd, (h, base), (ref_h, ref_base) = _case(tmp_path, head_type, seed=2)
+    head = draft.markov_head
+    pack_model(draft, PackPlan(), "onednn")
+    assert head.markov_w2.packed is None
+    pack_model(draft, PackPlan(), "transposed")
+    copy = head.markov_w2.packed.weight
+    assert copy.shape == (R, V) and copy.is_contiguous()
+    assert head.columns().data_ptr() == copy.data_ptr()
+    assert head.columns(slice(64, 128)).data_ptr() == copy[:, 64:].data_ptr()
+    anchors = torch.tensor([3, 250, 17, 0])
+    tokens, _, _ = sample_block(draft, base, h, anchors, 0.0)
+    ours = _our_logits(draft, base, h, anchors, tokens)
+    for r in range(len(CTX_LENS)):
+        ref_tokens, ref_logits = ref_greedy(sd, raw, ref_base[r], ref_h[r], int(anchors[r]))
+        assert tokens[r].tolist() == ref_tokens
+        torch.testing.assert_close(ours[r], ref_logits, **TOL)
+    assert not torch.equal(tokens, base.argmax(-1))  # the head decides tokens here
+    unpack_model(draft)
+    assert head.columns().data_ptr() == head.markov_w2.weight.data_ptr()
 
 
 @pytest.mark.parametrize("head_type", ["gated", "rnn"])

@@ -36,13 +36,15 @@ def _packed_layers(engine) -> set[int | None]:
 
 
 def _kernels(engine) -> set[str | None]:
-    """The kernel of every packable layer's copy, target and draft (None: no copy)."""
+    """The kernel of the copy of every layer, target and draft, that takes the engine's
+    kernel's copy (None: no copy)."""
     from dspark_launch.models.layers import Packs
 
     models = [engine.target] + ([engine.proposer.draft]
                                 if getattr(engine.proposer, "draft", None) is not None else [])
     return {m.packed.kernel if m.packed is not None else None for model in models
-            for m in model.modules() if isinstance(m, Packs) and m.pack_source() is not None}
+            for m in model.modules() if isinstance(m, Packs) and m.pack_source() is not None
+            and engine.gemm_kernel in m.kernels}
 
 
 def _choose_rank(rank: int, args, cache: str) -> dict:
@@ -78,8 +80,10 @@ def _choose_rank(rank: int, args, cache: str) -> dict:
     out["onednn_layers"] = _packed_layers(engine)
     out["onednn_kernels"] = (engine.gemm_kernel, _kernels(engine))
     out["draft_packed"] = _draft_packed(engine)
+    out["onednn_w2"] = _w2_copy(engine)
     out["transposed"] = choose_gemm(engine, "transposed")
     out["transposed_kernels"] = (engine.gemm_kernel, _kernels(engine))
+    out["transposed_w2"] = (_w2_copy(engine), _draft_packed(engine, "transposed"))
     out["torch"] = choose_gemm(engine, "torch")
     out["torch_layers"] = _packed_layers(engine) | _draft_packed(engine)
     out["field"] = engine.gemm_from_rows
@@ -87,13 +91,19 @@ def _choose_rank(rank: int, args, cache: str) -> dict:
     return out
 
 
-def _draft_packed(engine) -> set[bool]:
-    """Whether each of the draft's projections (its layer's context k/v included) holds a
-    packed copy."""
+def _w2_copy(engine) -> str | None:
+    """The kernel of the DSpark Markov head's W2 copy (None: no copy)."""
+    packed = engine.proposer.draft.markov_head.markov_w2.packed
+    return None if packed is None else packed.kernel
+
+
+def _draft_packed(engine, kernel: str = "onednn") -> set[bool]:
+    """Whether each of the draft's projections that takes `kernel`'s copy (its layer's context
+    k/v included) holds a packed copy."""
     from dspark_launch.models.layers import Packs
 
     return {m.packed is not None for m in engine.proposer.draft.modules()
-            if isinstance(m, Packs) and m.pack_source() is not None}
+            if isinstance(m, Packs) and m.pack_source() is not None and kernel in m.kernels}
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -111,6 +121,8 @@ def test_every_rank_takes_rank_0s_measurement_and_the_cache_keeps_it(tiny, tmp_p
         assert r["draft_packed"] == {True}
         assert r["transposed"] == (1, "transposed")
         assert r["transposed_kernels"] == ("transposed", {"transposed"})
+        # The Markov head's W2 takes the transposed copy only (the walk slices it by vocab)
+        assert r["onednn_w2"] is None and r["transposed_w2"] == ("transposed", {True})
         assert r["torch"] == (NEVER, "torch")
         assert r["torch_layers"] == {None, False}  # the earlier copies are dropped
         assert r["field"] == NEVER

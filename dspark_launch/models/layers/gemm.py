@@ -92,13 +92,14 @@ class Packs:
     2-D `weight` (pack_source)."""
 
     packed: Packed | None = None
+    kernels: tuple[str, ...] = KERNELS  # the kernels whose copy this layer takes
 
     def pack_source(self) -> torch.Tensor | None:
         """The matrix the packed copy holds (None: this layer keeps none)."""
         return self.weight
 
     def pack(self, plan: PackPlan, kernel: str = "onednn") -> int:
-        source = self.pack_source()
+        source = self.pack_source() if kernel in self.kernels else None
         self.packed = None if source is None else pack(source, plan, kernel)
         return int(self.packed is not None)
 
@@ -124,7 +125,7 @@ def packable_bytes(model: nn.Module, kernel: str = "onednn") -> int:
     """What pack_model would copy (the bytes a copy adds, before oneDNN's padding)."""
     total = 0
     for module in model.modules():
-        if isinstance(module, Packs) and (source := module.pack_source()) is not None \
-                and packable(source, kernel):
+        if isinstance(module, Packs) and kernel in module.kernels \
+                and (source := module.pack_source()) is not None and packable(source, kernel):
             total += source.numel() * source.element_size()
     return total
