@@ -144,7 +144,7 @@ class CostCurve:
         if self._clipping or sum(self.observations) >= OUTLIER_AFTER:
             # A shared machine stalls now and then: one stall must not move the curve by more
             # than a bounded step (a policy that stops drafting stops measuring the draft).
-            self._clipping = True  # (observations only grow; every plain step observes)
+            self._clipping = True  # (observations only grow)
             predicted = max(self.overhead + forward, MIN_SECONDS)  # step_seconds(n)
             seconds = min(max(seconds, predicted / self.outlier_ratio),
                           predicted * self.outlier_ratio)
