@@ -105,19 +105,28 @@ def _our_logits(draft, base, hidden, anchors, tokens) -> torch.Tensor:
     return torch.stack(out, dim=1)  # [R, B, V]
 
 
+def _greedy_as_reference(draft, raw, sd, ours, ref, anchors: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy walk on our (hidden, base logits) -> (tokens, q), checked request by request
+    against the reference's walk on its own: the same tokens, logits to within TOL."""
+    (h, base), (ref_h, ref_base) = ours, ref
+    tokens, q, _ = sample_block(draft, base, h, anchors, 0.0)
+    logits = _our_logits(draft, base, h, anchors, tokens)
+    for r in range(len(CTX_LENS)):
+        ref_tokens, ref_logits = ref_greedy(sd, raw, ref_base[r], ref_h[r], int(anchors[r]))
+        assert tokens[r].tolist() == ref_tokens
+        torch.testing.assert_close(logits[r], ref_logits, **TOL)
+    return tokens, q
+
+
 @pytest.mark.parametrize("head_type", ["gated", "rnn"])
 def test_greedy_block_logits_match_reference(tmp_path, head_type):
     draft, raw, sd, (h, base), (ref_h, ref_base) = _case(tmp_path, head_type)
     assert raw["markov_head_type"] == head_type
     if head_type == "gated":
         assert sd["markov_head.gate_proj.bias"].abs().min() > 0  # a real, non-zero bias
-    anchors = torch.tensor([5, 17, 250, 0])
-    tokens, q, _ = sample_block(draft, base, h, anchors, 0.0)
-    ours = _our_logits(draft, base, h, anchors, tokens)
-    for r in range(len(CTX_LENS)):
-        ref_tokens, ref_logits = ref_greedy(sd, raw, ref_base[r], ref_h[r], int(anchors[r]))
-        assert tokens[r].tolist() == ref_tokens
-        torch.testing.assert_close(ours[r], ref_logits, **TOL)
+    tokens, q = _greedy_as_reference(draft, raw, sd, (h, base), (ref_h, ref_base),
+                                     torch.tensor([5, 17, 250, 0]))
     assert torch.equal(q, torch.nn.functional.one_hot(tokens, V).float())
     # The head decides tokens here (otherwise the token check above would be vacuous).
     assert not torch.equal(tokens, base.argmax(-1))
@@ -137,13 +146,8 @@ def test_w2s_transposed_copy_walks_as_the_reference(tmp_path, head_type):
     assert copy.shape == (R, V) and copy.is_contiguous()
     assert head.columns().data_ptr() == copy.data_ptr()
     assert head.columns(slice(64, 128)).data_ptr() == copy[:, 64:].data_ptr()
-    anchors = torch.tensor([3, 250, 17, 0])
-    tokens, _, _ = sample_block(draft, base, h, anchors, 0.0)
-    ours = _our_logits(draft, base, h, anchors, tokens)
-    for r in range(len(CTX_LENS)):
-        ref_tokens, ref_logits = ref_greedy(sd, raw, ref_base[r], ref_h[r], int(anchors[r]))
-        assert tokens[r].tolist() == ref_tokens
-        torch.testing.assert_close(ours[r], ref_logits, **TOL)
+    tokens, _ = _greedy_as_reference(draft, raw, sd, (h, base), (ref_h, ref_base),
+                                     torch.tensor([3, 250, 17, 0]))
     assert not torch.equal(tokens, base.argmax(-1))  # the head decides tokens here
     unpack_model(draft)
     assert head.columns().data_ptr() == head.markov_w2.weight.data_ptr()
