@@ -74,7 +74,6 @@ class CostCurve:
         if not self.observations:
             self.observations = [0] * len(self.tokens)
         self._arrays: tuple[np.ndarray, np.ndarray] | None = None  # cached for step_seconds
-        self._clipping = False  # OUTLIER_AFTER observations were made
 
     # ------------------------------------------------------------------ reading
 
@@ -141,10 +140,9 @@ class CostCurve:
         if n < 1 or seconds <= 0:
             return
         forward = self._forward_scalar(n)
-        if self._clipping or sum(self.observations) >= OUTLIER_AFTER:
+        if sum(self.observations) >= OUTLIER_AFTER:
             # A shared machine stalls now and then: one stall must not move the curve by more
             # than a bounded step (a policy that stops drafting stops measuring the draft).
-            self._clipping = True  # (observations only grow)
             predicted = max(self.overhead + forward, MIN_SECONDS)  # step_seconds(n)
             seconds = min(max(seconds, predicted / self.outlier_ratio),
                           predicted * self.outlier_ratio)
