@@ -31,12 +31,10 @@ above 1 + MARGIN (1 + ENTER from plain decoding) and 1 by Z standard errors. A n
 is slower (or ties within the margin) is tried less and less often: its wait doubles (grows 4x
 when clearly slower), up to EXPLORE_MAX, so where nothing pays exploring costs little (the
 budget bounds it); long waits end on multiples of themselves (ALIGN), so those tries come in
-bursts. One not yet resolved keeps being tried, for PATIENCE tries, and on while it reads
-faster than a drafting arm that plain decoding was judged slower than (or is plain decoding
-itself): such a neighbour is tried more and more often until its tries can tell. A try far off
-its arm's record (SURPRISE: the machine or the batch changed) makes the old tries count less
-and the arm due again soon. After a move the ratios are re-based on the new arm (the old one's
-is the mirror of the one that won, the others' shift by the winner's and count less: they are
+bursts. One not yet resolved keeps being tried, for PATIENCE tries. A try far off its arm's
+record (SURPRISE: the machine or the batch changed) makes the old tries count less and the arm
+due again soon. After a move the ratios are re-based on the new arm (the old one's is the
+mirror of the one that won, the others' shift by the winner's and count less: they are
 estimates through it), except after leaving plain decoding: then plain decoding is measured
 afresh from the new arm (_move).
 
@@ -541,25 +539,9 @@ class Ladder:
             return
         if -noise < gap < noise and noise > math.log(1 + MARGIN):
             # Not resolved yet: measure it more, but less often while it looks like a tie or
-            # after many tries (a difference this hard to see is worth little) ...
-            pursue = gap > 0 and self.at != PLAIN and (i == PLAIN or self._plain_slower())
-            if abs(gap) < math.log(1 + MARGIN) or (there.count >= PATIENCE and not pursue):
+            # after many tries (a difference this hard to see is worth little).
+            if abs(gap) < math.log(1 + MARGIN) or there.count >= PATIENCE:
                 there.wait = min(2 * there.wait, EXPLORE_MAX if i != PLAIN else UNRESOLVED)
-            elif pursue:
-                # ... except one that reads faster than a drafting arm that beats plain
-                # decoding (or is plain decoding, back from a move that may have been
-                # lucky): more often, until it is resolved. At batch 1 one round's time
-                # scatters by more than two caps differ, and backed off after PATIENCE tries
-                # a neighbour 3-5% faster kept too few tries in its faded record ever to be
-                # told apart: DSpark's ladder sat at cap 8 with cap 7's record at 1.034x,
-                # DFlash's at cap 4 with cap 7's at 1.047x (round 35's table). Simulated
-                # (scripts/sim_ladder.py, 40 seeds, both machines, 3000 and 28000 steps):
-                # the "sampled" drafter ran 0.934-0.980 of its best cap's speed over the
-                # run, not 0.917-0.968, "dspark" 0.976-0.987, not 0.974-0.987, and the
-                # "losing" one drafted in 1.3-2.3% of steps, as before. Not from
-                # plain decoding: there a neighbour's first tries flatter it (TRY_STEPS,
-                # _move), and more of them would only move the ladder sooner.
-                there.wait = max(EXPLORE_EVERY, there.wait // 2)
             return
         if i == self._ahead:
             self._ahead = None
@@ -571,12 +553,6 @@ class Ladder:
             # current arm keeps it (plain decoding keeps a drafter never accepted).
             grow = 4 if gap + noise < math.log(1 - CLEAR) else 2
             there.wait = min(grow * there.wait, EXPLORE_MAX)
-
-    def _plain_slower(self) -> bool:
-        """Plain decoding was judged slower than the current (drafting) arm by the margin."""
-        plain = self.arms[PLAIN]
-        return plain.judgeable and self._gap(PLAIN) + Z * plain.log_error(self._floor) \
-            < -math.log(1 + MARGIN)
 
     def _gap(self, j: int) -> float:
         """Arm j's log speed ratio over the current arm, its tries' tokens re-scored.
