@@ -72,9 +72,14 @@ def from_rows(times: Times, margin: float = MARGIN) -> int:
     fractions at (a count where the two tie may stay in the run: the copy's memory is spent
     once it is kept, and a lone tie must not hand the counts below it to the slower kernel;
     equal sums keep the larger count)."""
+    return _run(times, margin)[0]
+
+
+def _run(times: Times, margin: float) -> tuple[int, float]:
+    """from_rows, and the sum of time fractions the copy saves from there up (0: none)."""
     counts = sorted(times)
     if not counts or not times[counts[-1]][1] < times[counts[-1]][0] * (1 - margin):
-        return NEVER
+        return NEVER, 0.0
     chosen, best, saved = NEVER, 0.0, 0.0
     for n in reversed(counts):
         plain, packed = times[n]
@@ -83,7 +88,7 @@ def from_rows(times: Times, margin: float = MARGIN) -> int:
         saved += 1.0 - packed / plain
         if saved > best:
             chosen, best = n, saved
-    return chosen
+    return chosen, best
 
 
 def pick_kernel(times: dict[str, Times], margin: float = MARGIN) -> tuple[str, int]:
@@ -93,8 +98,7 @@ def pick_kernel(times: dict[str, Times], margin: float = MARGIN) -> tuple[str, i
     Ties keep the earlier kernel of `times`."""
     best, rows, saved = "torch", NEVER, 0.0
     for kernel, pairs in times.items():
-        start = from_rows(pairs, margin)
-        saving = sum(1.0 - copy / plain for n, (plain, copy) in pairs.items() if n >= start)
+        start, saving = _run(pairs, margin)
         if start != NEVER and saving > saved:
             best, rows, saved = kernel, start, saving
     return best, rows
