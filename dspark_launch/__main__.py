@@ -112,7 +112,7 @@ def stop(state: ParallelState, err: BaseException) -> int:
     """End this rank after `err`, as every rank agrees: one line, said once, one exit code."""
     record_signals_only()
     if isinstance(err, KeyboardInterrupt):  # a second signal: now, without a roll call
-        return EXIT_CODES.get(received_signal(), 130)
+        return EXIT_CODES.get(getattr(err, "signum", received_signal()), 130)
     if not isinstance(err, Exception):
         raise err  # SystemExit and the like: not a failure to report
     if isinstance(err, LaunchError) and getattr(err, "agreed", False):
@@ -203,8 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as err:
         print(f"dspark_launch: error: {err}", file=sys.stderr, flush=True)
         return err.exit_code
-    except KeyboardInterrupt:  # a second signal: stop without waiting for the step boundary
-        return EXIT_CODES.get(received_signal(), 130)
+    except KeyboardInterrupt as err:  # a second signal: stop without the step boundary
+        return EXIT_CODES.get(getattr(err, "signum", received_signal()), 130)
     finally:
         destroy_parallel_runtime()
 

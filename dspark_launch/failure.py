@@ -4,7 +4,9 @@
   at each step boundary (inside the step's all-gather), so all ranks stop after the same step,
   write what finished, destroy their groups and exit 130 / 143. Before decoding (loading
   weights, allocating pools) there is no boundary to wait for and nothing to write: the signal
-  stops the rank at once. A second signal stops at once, except inside an output line's write.
+  stops the rank at once. A second signal stops at once, except inside an output line's write,
+  and so does the first one once the step under way has overrun its stop grace (a rank stuck
+  in its step never gets to the boundary: STOP_GRACE_S).
 - A rank that stops on its own (a configuration error only it sees, a signal only it got, a
   dead peer) tells the others through the rendezvous store, which outlives any worker: every
   rank posts its verdict, reads the others' (a roll call), and all reach the same conclusion —
@@ -20,7 +22,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -39,13 +41,47 @@ class Interrupted(LaunchError):
         self.exit_code = EXIT_CODES.get(signum, 1)
 
 
+# A first stop signal while decoding waits for the step boundary, but a rank stuck inside its
+# step never gets there: torchrun SIGTERMs it once a peer has named it as stopped answering,
+# and then waits 30 s before SIGKILL (tests/failure: the stuck-rank job took 44 s for a 4 s
+# --dist-timeout). So once the step under way has run STOP_GRACE_S, or STOP_GRACE_STEPS times
+# the slowest step so far if that is longer, the signal counts as a second one: the rank
+# stops at once. Requests already completed are written by then (output lines are written as
+# requests finish), and a step that slow was not going to reach the boundary in time anyway.
+STOP_GRACE_S = 5.0
+STOP_GRACE_STEPS = 3
+
+
+class StopNow(KeyboardInterrupt):
+    """A second stop signal: stop at once, with the exit code of the first (`signum`)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 @dataclass
 class Progress:
     phase: str = "startup"
     step: int = 0
+    began: float = 0.0  # time.monotonic() when this decode step began
+    slowest_s: float = 0.0  # the longest decode step so far (from one's start to the next's)
+    in_step: bool = False  # a decode step is under way (it has not returned or raised)
 
     def where(self) -> str:
         return f"step {self.step}" if self.phase == "decode" else self.phase
+
+    def begin(self, step: int) -> None:
+        """A decode step begins (Engine.step)."""
+        now = time.monotonic()
+        if self.phase == "decode":
+            self.slowest_s = max(self.slowest_s, now - self.began)
+        self.phase, self.step, self.began, self.in_step = "decode", step, now, True
+
+    def grace_left(self) -> float:
+        """Seconds until the step under way has overrun its stop grace (STOP_GRACE_S)."""
+        grace = max(STOP_GRACE_S, STOP_GRACE_STEPS * self.slowest_s)
+        return self.began + grace - time.monotonic()
 
 
 progress = Progress()
@@ -72,6 +108,32 @@ def _on_signal(signum: int, _frame) -> None:
         # Loading or allocating: stop now. The other ranks got the signal too (torchrun sends
         # it to every worker), or learn of it in the roll call when this rank's sockets close.
         raise Interrupted(signum)
+    if lost != "first":  # (a redelivered first signal has its watch already)
+        watch_step(signum, _on_signal, lambda: bool(_received))
+
+
+def watch_step(signum: int, handler, pending: Callable[[], bool]) -> None:
+    """A first stop signal came to `handler` while decoding: if the step under way overruns
+    its stop grace (STOP_GRACE_S) while the signal is still `pending`, it comes again, as a
+    second one (stop at once). Once that step has returned, the agreed stop is under way (the
+    server's: its drain goes on step by step); once it has raised, the rank is stopping (a
+    peer died under a collective: its roll call names the peer, and must not be cut short)."""
+    with contextlib.suppress(RuntimeError):  # (none starts at interpreter shutdown)
+        _thread.start_new_thread(_stop_if_stuck, (signum, progress.step, handler, pending))
+
+
+def _stop_if_stuck(signum: int, step: int, handler, pending: Callable[[], bool]) -> None:
+    while progress.in_step and progress.step == step and pending() \
+            and signal.getsignal(signum) is handler:  # (other handlers now: not ours)
+        left = progress.grace_left()
+        if left <= 0:
+            print(f"dspark_launch: rank {os.environ.get('RANK', '0')} still in step {step} "
+                  f"{time.monotonic() - progress.began:.1f} s after it began, past its stop "
+                  f"grace: stopping now on {signal.Signals(signum).name}", file=sys.stderr,
+                  flush=True)
+            os.kill(os.getpid(), signum)
+            return
+        time.sleep(min(left, 0.5))
 
 
 _holding = [False, False]  # [inside signals_held, a second signal arrived meanwhile]

@@ -176,7 +176,13 @@ class Engine:
         """One lockstep step on every rank -> the same outputs on every rank: one per request
         (any group) that committed tokens or finished. Idle: returns [] after at most
         IDLE_WAIT_S. Raises Interrupted on every rank when any rank received a signal."""
-        progress.phase, progress.step = "decode", self.steps
+        progress.begin(self.steps)
+        try:
+            return self._step()
+        finally:
+            progress.in_step = False  # returned or raised: no longer stuck in it (failure.py)
+
+    def _step(self) -> list[RequestOutput]:
         flags, events = self._exchange()
         report: list[Request] = []
         refused: list[RequestOutput] = []

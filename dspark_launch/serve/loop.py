@@ -19,7 +19,7 @@ from enum import IntEnum
 
 from dspark_launch.comm import all_gather_ints
 from dspark_launch.engine.request import RequestSpec
-from dspark_launch.failure import EXIT_CODES
+from dspark_launch.failure import EXIT_CODES, StopNow, watch_step
 from dspark_launch.log import logger
 from dspark_launch.outputs import OutputProcessor
 from dspark_launch.parallel import get_parallel
@@ -38,9 +38,10 @@ _signals: list[int] = []
 
 
 def _on_signal(signum: int, _frame) -> None:
-    if _signals:  # a second signal: stop now
-        raise KeyboardInterrupt
+    if _signals:  # a second signal: stop now, as the first one asked (its exit code)
+        raise StopNow(_signals[0])
     _signals.append(signum)
+    watch_step(signum, _on_signal, lambda: bool(_signals))  # a rank stuck in its step
 
 
 def install_serve_signal_handlers() -> None:

@@ -114,17 +114,17 @@ def test_second_signal_waits_for_the_line_to_be_whole(tmp_path) -> None:
     out = tmp_path / "out.jsonl"
     writer = OutputWriter(str(out), overwrite=False, resume=False)
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    phase = progress.phase
+    before = vars(progress).copy()
     try:
         install_signal_handlers()
-        progress.phase = "decode"
+        progress.begin(0)  # a step under way (its stop grace is seconds away)
         os.kill(os.getpid(), signal.SIGTERM)  # the first signal: a flag, the run goes on
         writer.add(_record(0))
         writer._file = _SignalMidWrite(writer._file)
         with pytest.raises(KeyboardInterrupt):  # the second: raised once the line is whole
             writer.add(_record(1))
     finally:
-        progress.phase = phase
+        vars(progress).update(before)
         for s, handler in previous.items():
             signal.signal(s, handler)
     writer._file = writer._file.f

@@ -1,8 +1,10 @@
-"""A rank that dies takes the server down with the job's failure line, and nothing is left."""
+"""A rank that dies takes the server down with the job's failure line, and nothing is left; one
+stuck in its step still obeys SIGTERM."""
 
 from __future__ import annotations
 
 import contextlib
+import signal
 
 import requests
 from references import POOL
@@ -24,3 +26,18 @@ def test_a_dead_rank_ends_the_server_naming_it(tmp_path):
     assert "rank(s) [1] of 2 stopped answering during step 3" in log
     assert "rank 1 (local_rank 1) ended with signal SIGKILL" in log
     assert not [p for p in pids if alive(p)]
+
+
+def test_a_server_stuck_in_its_step_still_stops_on_sigterm(tmp_path):
+    """The engine hangs at the start of decode step 3 (the job's fault hook), so the loop never
+    gets back to the exchange where SIGTERM is agreed: past the stop grace
+    (failure.STOP_GRACE_S) the signal counts as a second one and the server exits 143."""
+    server = launch(["--speculative-algorithm", "NONE", *POOL], nproc=None,
+                    log=tmp_path / "server.log", env={"DSPARK_FAULT": "0:3:hang"})
+    with contextlib.suppress(requests.RequestException):  # never answered: the step hangs
+        requests.post(server.url + "/v1/completions", timeout=3,
+                      json={"prompt": "def f(x):", "max_tokens": 32, "ignore_eos": True})
+    rc = server.stop(signal.SIGTERM, timeout=60)
+    log = server.text()
+    assert rc == 143, log[-3000:]
+    assert "rank 0 still in step 3" in log and "stopping now on SIGTERM" in log
