@@ -2,8 +2,9 @@
 
 The cost curve (spec/cost_curve.py) and the CPU GEMM choice (engine/gemm_choice.py) are
 measured once per machine, topology and model shape; the next run with the same key reads
-them instead of measuring again. `DSPARK_CACHE_DIR` (default ~/.cache/dspark_launch) holds
-one directory per kind.
+them instead of measuring again, for MAX_AGE_S after they were written. `DSPARK_CACHE_DIR`
+(default ~/.cache/dspark_launch) holds one directory per kind; `DSPARK_CACHE_MAX_AGE_S`
+overrides the age.
 """
 
 from __future__ import annotations
@@ -12,9 +13,34 @@ import hashlib
 import json
 import os
 import platform
+import time
 from pathlib import Path
 
 import torch
+
+from dspark_launch.errors import ConfigError
+
+# A measurement is one moment of the machine: a shared host's load, its clocks and its
+# neighbours move, and the GEMM choice that rounds 32-34 read from the cache was one noisy
+# moment kept for weeks (docs/bench/HISTORY.md, round 35). Past this age a run measures again
+# (a few seconds at start-up) and stores the new one.
+MAX_AGE_S = 7 * 24 * 3600.0
+WRITTEN_AT = "written_at"  # the stored object's time of writing (seconds since the epoch)
+
+
+def max_age_s() -> float:
+    """MAX_AGE_S, or DSPARK_CACHE_MAX_AGE_S where set (0: measure at every start)."""
+    text = os.environ.get("DSPARK_CACHE_MAX_AGE_S")
+    if text is None:
+        return MAX_AGE_S
+    try:
+        age = float(text)
+    except ValueError:
+        age = -1.0
+    if not age >= 0:  # (NaN too)
+        raise ConfigError(f"DSPARK_CACHE_MAX_AGE_S={text!r}: expected a number of seconds, "
+                          f"0 or more (0: measure at every start)")
+    return age
 
 
 def cache_dir(kind: str) -> Path:
@@ -47,12 +73,18 @@ def cache_key(machine: dict) -> str:
 
 
 def read_json(directory: Path, key: str) -> dict | None:
-    """The stored object, or None (missing or unreadable: measure again)."""
+    """The stored object, or None: missing, unreadable, or written more than max_age_s() ago
+    (or at no known time, or in this clock's future): measure again."""
     try:
         data = json.loads((directory / f"{key}.json").read_text())
     except (OSError, ValueError):
         return None
-    return data if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        return None
+    written = data.get(WRITTEN_AT)
+    if not isinstance(written, (int, float)) or not 0 <= time.time() - written <= max_age_s():
+        return None
+    return data
 
 
 def write_json(directory: Path, key: str, data: dict) -> Path | None:
@@ -62,7 +94,7 @@ def write_json(directory: Path, key: str, data: dict) -> Path | None:
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"{key}.json"
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, default=str))
+        tmp.write_text(json.dumps({**data, WRITTEN_AT: time.time()}, indent=1, default=str))
         tmp.replace(path)
         return path
     except OSError:

@@ -3,10 +3,14 @@ are closed-form, online refinement moves towards measurements, the disk cache ro
 
 from __future__ import annotations
 
+import json
+import time
+
 import numpy as np
 import pytest
 
-from dspark_launch.disk_cache import cache_key
+from dspark_launch.disk_cache import MAX_AGE_S, WRITTEN_AT, cache_key
+from dspark_launch.errors import ConfigError
 from dspark_launch.spec.cost_curve import (
     OUTLIER_RATIO,
     CostCurve,
@@ -139,6 +143,34 @@ def test_cache_round_trip(tmp_path):
     assert load_cached(cache_key({"x": 1}), tmp_path) is None
     off, src = profiled_curve("off", machine, forward, [1, 2], directory=tmp_path)
     assert src == "off" and off.step_seconds(1) == off.step_seconds(2)
+
+
+def test_a_cached_curve_expires_and_is_profiled_again(tmp_path, monkeypatch):
+    """A stored measurement is read for disk_cache.MAX_AGE_S (or DSPARK_CACHE_MAX_AGE_S) after
+    it was written, then measured and stored again; one from the clock's future, or with no
+    time, is measured again too."""
+    machine, calls = {"device": "cpu", "world": 1}, []
+    forward = calls.append
+    assert profiled_curve("auto", machine, forward, [1, 2], directory=tmp_path)[1] == "profiled"
+    path = next(tmp_path.glob("*.json"))
+    now = time.time()
+    for offset, source in ((-MAX_AGE_S + 60, "cache"), (-MAX_AGE_S - 60, "profiled"),
+                           (3600, "profiled")):
+        stored = json.loads(path.read_text())
+        path.write_text(json.dumps({**stored, WRITTEN_AT: now + offset}))
+        assert profiled_curve("auto", machine, forward, [1, 2], directory=tmp_path)[1] == source
+    assert profiled_curve("auto", machine, forward, [1, 2], directory=tmp_path)[1] == "cache"
+    stored = json.loads(path.read_text())
+    del stored[WRITTEN_AT]
+    path.write_text(json.dumps(stored))  # a file of an older version: no time
+    assert profiled_curve("auto", machine, forward, [1, 2], directory=tmp_path)[1] == "profiled"
+    monkeypatch.setenv("DSPARK_CACHE_MAX_AGE_S", "0")
+    assert profiled_curve("auto", machine, forward, [1, 2], directory=tmp_path)[1] == "profiled"
+    for bad in ("a week", "-1", "nan"):
+        monkeypatch.setenv("DSPARK_CACHE_MAX_AGE_S", bad)
+        with pytest.raises(ConfigError, match=f"DSPARK_CACHE_MAX_AGE_S='{bad}': expected a "
+                                              f"number of seconds, 0 or more"):
+            profiled_curve("auto", machine, forward, [1, 2], directory=tmp_path)
 
 
 def test_one_stall_moves_the_curve_a_bounded_step():
