@@ -102,8 +102,11 @@ def launch(args: list[str], nproc: int | None, log: Path, env: dict | None = Non
     else:
         cmd = [sys.executable, "-m", "dspark_launch.launch", "--standalone",
                "--nproc-per-node", str(nproc), "-m", "dspark_launch"]
+    # torch's GEMM, as the offline job these servers are compared with (tests/jobs.py QUIET):
+    # the start-up GEMM choice took 15 of a 4-rank server's 22 s to health; it is tested in
+    # tests/engine/test_gemm_choice.py, and through a torchrun program in tests/api.
     cmd += ["serve", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
-            "--log-all-ranks", *args]
+            "--log-all-ranks", "--cpu-gemm", "torch", *args]
     out = open(log, "w")  # noqa: SIM115 - the child writes it for the server's lifetime
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**ENV, **(env or {})},
                             cwd=ROOT)
