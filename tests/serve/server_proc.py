@@ -93,9 +93,30 @@ class Server:
         return rc
 
 
+# free_port() finds a port free now; by the time the server binds it, another process of the
+# suite (a torchrun rendezvous, another server) may have taken it: the server then exits 2
+# naming the port, and is started again on another one.
+BIND_ATTEMPTS = 3
+
+
 def launch(args: list[str], nproc: int | None, log: Path, env: dict | None = None) -> Server:
     """nproc=None: `python -m dspark_launch serve` (a world of one); else torchrun through
     dspark_launch.launch (torch.distributed.run with the job's exit codes)."""
+    attempt = 1
+    while True:
+        try:
+            return _launch(args, nproc, log, env)
+        except PortTaken:
+            if attempt == BIND_ATTEMPTS:
+                raise
+            attempt += 1
+
+
+class PortTaken(AssertionError):
+    pass
+
+
+def _launch(args: list[str], nproc: int | None, log: Path, env: dict | None) -> Server:
     port = free_port()
     if nproc is None:
         cmd = [sys.executable, "-m", "dspark_launch"]
@@ -115,7 +136,10 @@ def launch(args: list[str], nproc: int | None, log: Path, env: dict | None = Non
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         if proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}:\n{server.text()[-3000:]}")
+            text = server.text()
+            kind = PortTaken if proc.returncode == 2 and "could not listen" in text else \
+                AssertionError
+            raise kind(f"server exited with {proc.returncode}:\n{text[-3000:]}")
         try:
             if server.get("/health")[0] == 200:
                 return server
