@@ -96,6 +96,8 @@ class Handlers:
                     delta: CompletionDelta = await asyncio.wait_for(sink.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
                     continue
+                if isinstance(delta, APIError):  # the server stops under it (bridge.fail_open)
+                    raise delta
                 if delta.finished is not None:
                     results[choice_of[delta.rid]] = delta.finished
         finally:
@@ -116,6 +118,9 @@ class Handlers:
         try:
             while open_:
                 delta: CompletionDelta = await sink.get()
+                if isinstance(delta, APIError):  # the server stops under it (fail_open)
+                    yield sse(json.dumps(delta.body()))
+                    break
                 if delta.text or delta.finished is not None:
                     yield sse(render(choice_of[delta.rid], delta))
                 if delta.finished is not None:

@@ -100,6 +100,15 @@ class RequestBridge:
         with contextlib.suppress(RuntimeError):
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
+    def fail_open(self, error) -> None:
+        """The server stops under the requests still open: each handler gets `error` (an
+        APIError) as its last item, and answers with it (thread-safe)."""
+        with self.lock:
+            self.accepting = False
+            rids = list(self._streams)
+        for rid in rids:
+            self.deliver(rid, error, True)
+
     def open_ids(self) -> list[str]:
         """Requests not finished yet (call under `lock`)."""
         return list(self._streams)

@@ -51,6 +51,13 @@ def shutting_down() -> APIError:
                     headers={"Retry-After": "5"})
 
 
+def server_stopped(reason: str) -> APIError:
+    """What a request still open gets when the server stops under it (a rank failed, or a
+    second stop signal): an answer, not a dropped connection."""
+    return APIError(500, f"the server stopped before this request finished: {reason}", None,
+                    type="server_error", code="server_stopped")
+
+
 def from_validation(err: ValidationError) -> APIError:
     """The first problem pydantic found, as one line naming the field."""
     first = err.errors(include_url=False)[0]

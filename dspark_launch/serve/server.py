@@ -9,6 +9,7 @@ At shutdown the allocator must be full again (every page of every request freed)
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -17,17 +18,27 @@ from dspark_launch.comm import agreed
 from dspark_launch.engine.build import EngineArgs, build_engine
 from dspark_launch.engine.heap import freeze_heap
 from dspark_launch.errors import ConfigError
+from dspark_launch.failure import StopNow, progress
 from dspark_launch.log import logger
 from dspark_launch.parallel import get_parallel
 from dspark_launch.serve.app import build_app
 from dspark_launch.serve.bridge import RequestBridge
 from dspark_launch.serve.chat import ChatTemplate
+from dspark_launch.serve.errors import server_stopped
 from dspark_launch.serve.loop import ServeLoop, install_serve_signal_handlers
 from dspark_launch.serve.metrics import ServerMetrics
 from dspark_launch.serve.requests import ModelInfo
 
 EMBEDDED_NAME = "dspark-tiny"
 START_TIMEOUT_S = 60.0
+
+
+def stop_reason(err: BaseException) -> str:
+    """Why the server stops under its open requests, in a line for their answers."""
+    if isinstance(err, StopNow):
+        return f"a second {signal.Signals(err.signum).name} stopped it at once"
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__} during {progress.where()}" + (f": {first}" if first else "")
 
 
 def model_info(cfg, engine) -> ModelInfo:
@@ -73,10 +84,10 @@ def serve(cfg, args: EngineArgs) -> int:
     engine = build_engine(args)
     freeze_heap()
     install_serve_signal_handlers()
-    http = None
+    http = bridge = None
     try:
         def start() -> ServeLoop:
-            nonlocal http
+            nonlocal http, bridge
             if state.rank != 0:
                 return ServeLoop(engine, engine.tokenizer, cfg.shutdown_grace)
             info = model_info(cfg, engine)
@@ -93,6 +104,11 @@ def serve(cfg, args: EngineArgs) -> int:
 
         loop = agreed(start)
         code = loop.run()
+    except BaseException as err:
+        if bridge is not None:  # an answer for every open request before HTTP stops: with
+            # none, uvicorn cancelled them at its shutdown (a traceback each, 5 s later)
+            bridge.fail_open(server_stopped(stop_reason(err)))
+        raise
     finally:
         if http is not None:
             http.stop()
