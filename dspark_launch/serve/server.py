@@ -36,7 +36,7 @@ START_TIMEOUT_S = 60.0
 def stop_reason(err: BaseException) -> str:
     """Why the server stops under its open requests, in a line for their answers."""
     if isinstance(err, StopNow):
-        return f"a second {signal.Signals(err.signum).name} stopped it at once"
+        return f"it stopped at once on {signal.Signals(err.signum).name}"
     first = str(err).strip().splitlines()[0] if str(err).strip() else ""
     return f"{type(err).__name__} during {progress.where()}" + (f": {first}" if first else "")
 
