@@ -14,7 +14,6 @@ import sys
 import traceback
 
 import torch
-import torch.distributed as dist
 
 from dspark_launch.args import RunConfig, resolve_config
 from dspark_launch.comm import all_gather_object
@@ -27,6 +26,7 @@ from dspark_launch.failure import (
     conclude,
     config_verdict,
     install_signal_handlers,
+    is_collective_failure,
     posted_verdicts,
     progress,
     received_signal,
@@ -178,17 +178,6 @@ def engine_and_job_args(cfg: RunConfig):
         return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
 
     return pick(EngineArgs), pick(JobArgs)
-
-
-def is_collective_failure(err: BaseException) -> bool:
-    """A collective broke because of another rank (its death, or a timeout), not this one."""
-    if isinstance(err, dist.DistError):
-        return True
-    # gloo reports a dead peer and an expired --dist-timeout with these; anything else
-    # (this rank's own OOM, a bad tensor) is this rank's failure and keeps its traceback.
-    text = str(err)
-    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer",
-                                   "Broken pipe", "Timed out waiting"))
 
 
 def main(argv: list[str] | None = None) -> int:

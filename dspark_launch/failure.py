@@ -204,6 +204,17 @@ def received_signal() -> int:
     return _received[0] if _received else 0
 
 
+def is_collective_failure(err: BaseException) -> bool:
+    """A collective broke because of another rank (its death, or a timeout), not this one."""
+    if isinstance(err, dist.DistError):
+        return True
+    # gloo reports a dead peer and an expired --dist-timeout with these; anything else
+    # (this rank's own OOM, a bad tensor) is this rank's failure and keeps its traceback.
+    text = str(err)
+    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer",
+                                   "Broken pipe", "Timed out waiting"))
+
+
 ROLL_CALL_WAIT_S = 5.0  # a rank whose collective broke: how long it waits for the others
 REPORT_WAIT_S = 2.0  # a rank with a configuration error: how long it waits to learn whether
 # the others hit the same one (they raise it at the same point, within milliseconds)
