@@ -102,7 +102,7 @@ def _on_signal(signum: int, _frame) -> None:
         if _holding[0]:
             _holding[1] = True  # raised when the held write is whole
             return
-        raise KeyboardInterrupt
+        raise StopNow(_received[0])
     _received[:] = _received or [signum]
     if progress.phase != "decode":
         # Loading or allocating: stop now. The other ranks got the signal too (torchrun sends
@@ -152,7 +152,7 @@ def signals_held() -> Iterator[None]:
         pending = _holding[1]
         _holding[:] = [False, False]
         if pending:
-            raise KeyboardInterrupt
+            raise StopNow(received_signal() or signal.SIGINT)
 
 
 REDELIVER_S = 0.05  # a signal swallowed inside a finalizer comes again this much later
