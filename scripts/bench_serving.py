@@ -64,7 +64,7 @@ from dspark_launch.engine.heap import freeze_heap
 from dspark_launch.engine.inputs import BUILTIN_PROMPTS
 from dspark_launch.engine.params import SamplingParams
 from dspark_launch.engine.request import RequestSpec
-from dspark_launch.models.layers.gemm import NEVER
+from dspark_launch.models.layers.gemm import FIRST_SHAPES, NEVER
 from dspark_launch.spec.policy import POLICIES
 
 
@@ -327,7 +327,7 @@ def run_apart(args, argv: list[str]) -> None:
             if meta is None:
                 meta = part["meta"]
             else:  # the per-batch fields
-                for key in ("num_prompts", "gemm_from_rows"):
+                for key in ("num_prompts", "gemm_from_rows", "onednn_compiles"):
                     meta[key].update(part["meta"][key])
                 meta["distinct_prompts"] = max(meta["distinct_prompts"],
                                                part["meta"]["distinct_prompts"])
@@ -410,6 +410,9 @@ def main() -> None:
     counts: dict[str, int] = {}  # batch -> prompts per repeat
     warmups: dict[str, dict] = {}  # group -> algorithm -> each warm-up pass
     gemms: dict[str, dict] = {}  # batch -> algorithm -> oneDNN from rows (None: never)
+    # batch -> the oneDNN shapes this process made, and their compiles' seconds (left out of
+    # every step's time the policies learn from, in the decode times here: gemm.FirstShapes)
+    compiles: dict[str, dict] = {}
     try:
         for batch in args.batches:
             def build(algorithm: str, batch: int = batch):
@@ -469,6 +472,8 @@ def main() -> None:
                 name: None if engine.gemm_from_rows == NEVER else
                 {"kernel": engine.gemm_kernel, "from_rows": engine.gemm_from_rows}
                 for name, engine in engines.items()}
+            compiles[f"batch {batch}"] = {"shapes": len(FIRST_SHAPES.seen),
+                                          "seconds": round(FIRST_SHAPES.seconds, 3)}
             for engine in [*engines.values(), spare]:
                 engine.shutdown()
     finally:
@@ -509,7 +514,7 @@ def main() -> None:
             "repeats": args.repeats, "warmup": args.warmup,
             "model": args.model,
             "speculative_policy": args.speculative_policy, "cpu_gemm": args.cpu_gemm,
-            "gemm_from_rows": gemms,
+            "gemm_from_rows": gemms, "onednn_compiles": compiles,
             "statistic": "median of repeats; decode = steps that prefilled nothing; full = "
                          "decode steps with every one of the batch's slots decoding"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

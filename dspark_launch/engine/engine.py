@@ -45,7 +45,7 @@ from dspark_launch.engine.request import (
 from dspark_launch.engine.scheduler import Scheduler, StepPlan
 from dspark_launch.engine.verify_policy import micros, request_class, spread
 from dspark_launch.failure import Interrupted, inject_fault, progress
-from dspark_launch.models.layers.gemm import NEVER
+from dspark_launch.models.layers.gemm import NEVER, steady_clock
 from dspark_launch.parallel import get_parallel
 from dspark_launch.spec import transfer
 from dspark_launch.spec.keyed import request_key
@@ -195,7 +195,9 @@ class Engine:
         report += self.sched.take_ended()  # ended by the scheduler (round past the context)
         if plan.empty and self.sched.has_work and (stuck := self._unstick()) is not None:
             report.append(stuck)
-        t0 = time.perf_counter()
+        # The step's clock leaves out oneDNN's compiles of new shapes (gemm.py: FirstShapes):
+        # the policy learns what its choices cost from then on, not once.
+        t0 = steady_clock()
         self.proposer.flushed_s = 0.0
         proposal, drafted = self._propose(plan)
         widths = self._widths(plan, proposal)
@@ -219,7 +221,7 @@ class Engine:
                 # dearer than NONE's at batch 64 (every step releases a finished request's
                 # rows, so every step flushed), and tries of drafting arms from plain
                 # decoding that much cheaper: DFlash moved to cap 2, 0.95x plain decoding.
-                forward_s = time.perf_counter() - t0 - self._draft_s - self.proposer.flushed_s
+                forward_s = steady_clock() - t0 - self._draft_s - self.proposer.flushed_s
                 self._timing = (micros(forward_s), micros(self._draft_s),
                                 micros(self.proposer.flushed_s))
                 self._last_tokens = (sum(1 + w for w in widths), tokens, self._draft_rows,
@@ -304,7 +306,7 @@ class Engine:
         decode = plan.decode
         if not decode or not self.proposer.max_drafts:
             return None, 0
-        t0 = time.perf_counter()
+        t0 = steady_clock()
         sub = list(range(len(decode)))
         if self.policy is not None and self.policy.adaptive:
             classes = [request_class(r) for r in decode]
@@ -333,7 +335,7 @@ class Engine:
         self._draft_rows = int(self.proposer.draft_rows(len(sub), max(mine)))
         if len(sub) < len(decode):
             proposal = spread(proposal, sub, len(decode))
-        self._draft_s = time.perf_counter() - t0 - self.proposer.flushed_s
+        self._draft_s = steady_clock() - t0 - self.proposer.flushed_s
         return proposal, len(sub)
 
     def _reserve_drafts(self, decode: list[Request], limits: list[int], sub: list[int]
@@ -384,7 +386,7 @@ class Engine:
 
     def _verify_and_commit(self, plan: StepPlan, proposal: Proposal | None, widths: list[int],
                            counts: list[int], t0: float) -> list[Request]:
-        t1 = time.perf_counter()
+        t1 = steady_clock()
         reqs = [r for r, _ in plan.prefill] + plan.decode
         q_lens = [n for _, n in plan.prefill] + [1 + w for w in widths]
         meta = build_metadata(self.space.req_to_token, [r.slot for r in reqs],
@@ -418,7 +420,7 @@ class Engine:
         elif self.policy is not None:
             for req, w, n_acc in zip(plan.decode, widths, accept_len):
                 self.policy.record(req.index, request_class(req), w, n_acc)
-        t2 = time.perf_counter()
+        t2 = steady_clock()
         return self._commit(plan, firsts, first, accept_len, committed, t1 - t0, t2 - t1)
 
     def _input_ids(self, plan: StepPlan, proposal: Proposal | None, widths: list[int]

@@ -21,13 +21,12 @@ verify width is known on the host before any draft exists. DSpark's confidence c
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 
 from dspark_launch.attention import build_metadata, upload
 from dspark_launch.memory.transients import DEFERRED_CONTEXT_ROWS
+from dspark_launch.models.layers.gemm import steady_clock
 from dspark_launch.spec.dspark_sampler import walk_block
 from dspark_launch.spec.keyed import DRAFT, uniforms
 from dspark_launch.spec.proposer import Proposal, Proposer
@@ -110,11 +109,11 @@ class DFlashProposer(Proposer):
         """Write the waiting context rows into the draft pool (one batched call)."""
         if not self._pending:
             return
-        t0 = time.perf_counter()
+        t0 = steady_clock()
         features, positions, rows = (torch.cat(parts) for parts in zip(*self._pending))
         self._pending, self._pending_rows = [], 0
         self.draft.materialize(features, positions, rows, self.pool)
-        self.flushed_s += time.perf_counter() - t0
+        self.flushed_s += steady_clock() - t0
 
 
 class DSparkProposer(DFlashProposer):

@@ -168,3 +168,32 @@ def test_measure_times_each_kernel_alternately_and_keeps_the_median():
 ])
 def test_the_kernel_kept_is_the_one_whose_winning_run_saves_most(times, want):
     assert pick_kernel(times) == want
+
+
+def test_a_shapes_first_call_is_booked_once_per_shape():
+    """oneDNN makes a primitive per shape (rows, weight, bias): its first call is booked as
+    compile (FirstShapes) once, whichever layer makes it, and returns the product; the other
+    kernels and the plain path book nothing."""
+    from dspark_launch.models.layers.gemm import FIRST_SHAPES
+
+    g = torch.Generator().manual_seed(3)
+    weight, b = torch.randn(48, 24, generator=g), torch.randn(48, generator=g)
+    x = torch.randn(131, 24, generator=g)
+    packed, twin = pack(weight, PackPlan(2), "onednn"), pack(weight.clone(), PackPlan(2))
+    transposed = pack(weight, PackPlan(2), "transposed")
+    shape = (48, 24, torch.float32)
+
+    def booked(rows: int, bias: torch.Tensor | None, copy) -> set:
+        before = set(FIRST_SHAPES.seen)
+        out = dense(x[:rows], weight, bias, copy)
+        want = x[:rows].double() @ weight.double().t() + (0 if bias is None else bias.double())
+        assert torch.allclose(out.double(), want, atol=1e-4)
+        return FIRST_SHAPES.seen - before
+
+    assert booked(131, None, packed) == {(131, shape, True)}
+    assert booked(131, None, twin) == set()  # another layer of the same shape
+    assert booked(131, None, packed) == set()
+    assert booked(131, b, packed) == {(131, shape, False)}
+    assert booked(130, None, packed) == {(130, shape, True)}
+    assert booked(1, None, packed) == set()  # under the plan's rows: torch's kernel
+    assert booked(131, None, transposed) == set()

@@ -22,6 +22,8 @@ device but the CPU, use it) and, once packed, one copy in the chosen kernel's la
 from __future__ import annotations
 
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +47,7 @@ class Packed:
     weight: torch.Tensor  # the layer's weight in the kernel's layout
     plan: PackPlan
     kernel: str = "onednn"  # one of KERNELS
+    shape: tuple = ()  # the source weight's (out, in, dtype): oneDNN's primitives are per shape
 
 
 def packable(weight: torch.Tensor, kernel: str = "onednn") -> bool:
@@ -72,18 +75,64 @@ def pack(weight: torch.Tensor, plan: PackPlan, kernel: str = "onednn") -> Packed
         return Packed(weight.detach().t().contiguous(), plan, kernel)  # [in, out]
     # The batch-size hint only picks the blocked layout; every row count runs on it.
     blocked = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 16)
-    return Packed(blocked, plan, kernel)
+    return Packed(blocked, plan, kernel, (*weight.shape, weight.dtype))
+
+
+class FirstShapes:
+    """The shapes oneDNN's copy has run in this process, and the seconds their first calls took.
+
+    oneDNN makes a primitive (JIT code) the first time it meets a shape, rows included, and
+    caches it for the process. On the AMD EPYC (one thread) a first call took ~0.2-0.5 ms
+    more per weight shape, 2-3 ms for a step of the embedded target at batch 16, whose whole
+    step takes ~5 ms. A verify's rows vary with its drafts, so a step at a row count not run
+    before pays that once. The verify ladder (spec/ladder.py) times arms a step at a time,
+    and it saw NGRAM's tries at batch 16 as 30-40% dearer than those arms run once their row
+    counts are known. A cap-1 try's verify and commit took 10.1 ms for 24 rows; with every
+    row count run beforehand they took 7.3 ms for 26 rows, and a plain step's 5.6 ms. Its
+    ladder stayed with plain decoding or cap 1 (0.986x and 0.996x NONE in two runs) where
+    pinned at cap 2 NGRAM ran 1.063x and 1.049x.
+
+    So a shape's first call runs twice. The first run makes the primitive, and its whole time
+    is booked here. The second is what the call costs from then on. steady_clock() leaves
+    the booked time out, and the engine times its steps by it. The compile stays in the
+    run's wall time (the benchmarks'), but no step's measured speed holds it. A shape the
+    cache later evicts (it holds 1024) is not booked again: prefill chunks churn it, and a
+    decode batch's row counts are its most recently used."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple] = set()  # (rows, Packed.shape, no bias)
+        self.seconds = 0.0
+
+    def first(self, key: tuple, call: Callable[[], object]) -> None:
+        """Run `call` for a shape never run before, its whole time booked as compile."""
+        t0 = time.perf_counter()
+        call()
+        self.seconds += time.perf_counter() - t0
+        self.seen.add(key)
+
+
+FIRST_SHAPES = FirstShapes()  # one per process, as oneDNN's primitive cache
+
+
+def steady_clock() -> float:
+    """time.perf_counter(), stopped while oneDNN made a primitive (FirstShapes): what a step
+    takes once every shape it runs is known."""
+    return time.perf_counter() - FIRST_SHAPES.seconds
 
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: Packed | None = None) -> torch.Tensor:
+          packed: Packed | None = None) -> torch.Tensor:
     """x [N, in] -> x weight^T + bias [N, out], on the copy's kernel from the plan's rows."""
     if packed is not None and x.shape[0] >= packed.plan.from_rows:
         if packed.kernel == "transposed":
             w = packed.weight  # [in, out]
             return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed.weight, bias, "none",
-                                                  [], "")
+        x = x.contiguous()
+        key = (x.shape[0], packed.shape, bias is None)
+        if key not in FIRST_SHAPES.seen:
+            FIRST_SHAPES.first(key, lambda: torch.ops.mkldnn._linear_pointwise(
+                x, packed.weight, bias, "none", [], ""))
+        return torch.ops.mkldnn._linear_pointwise(x, packed.weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
