@@ -86,11 +86,11 @@ class FirstShapes:
     more per weight shape, 2-3 ms for a step of the embedded target at batch 16, whose whole
     step takes ~5 ms. A verify's rows vary with its drafts, so a step at a row count not run
     before pays that once. The verify ladder (spec/ladder.py) times arms a step at a time,
-    and it saw NGRAM's tries at batch 16 as 30-40% dearer than those arms run once their row
+    and it saw NGRAM's tries at batch 16 as 20-35% dearer than those arms run once their row
     counts are known. A cap-1 try's verify and commit took 10.1 ms for 24 rows; with every
     row count run beforehand they took 7.3 ms for 26 rows, and a plain step's 5.6 ms. Its
-    ladder stayed with plain decoding or cap 1 (0.986x and 0.996x NONE in two runs) where
-    pinned at cap 2 NGRAM ran 1.063x and 1.049x.
+    ladder stayed with plain decoding or cap 1 (0.986x NONE) where, pinned at cap 2 in the
+    same run, NGRAM ran 1.063x.
 
     So a shape's first call runs twice. The first run makes the primitive, and its whole time
     is booked here. The second is what the call costs from then on. steady_clock() leaves
