@@ -2,7 +2,7 @@
 verify cap would make of the cell.
 
     python scripts/bench_plain_cost.py [--batch 64] [--temperature 1] [--num-prompts 512]
-        [--repeats 3] [--algorithms NGRAM DFLASH] [--caps 0 ...]
+        [--repeats 3] [--algorithms NGRAM DFLASH] [--caps 0 2 4m ...]
         [--out docs/bench/bench_plain_cost.json]
 
 Beside NONE and its twin NONE/2 (the noise band), each algorithm runs twice: as the benchmark
@@ -21,9 +21,10 @@ per request, every request" for every step (no tries, no model). The best of the
 ladder could reach in the cell at best with one arm (its arms are these caps, and the model
 within them): a cell where no ALG/c clears NONE/2's band is a tie at plain decoding for any
 fixed verify length on this machine, and one where some ALG/c beats ALG by more than the band
-is speed the ladder left. Each pinned engine's verify lengths go into the JSON
-(verified_lengths: request-rounds per number of drafts verified), and a run in which one
-exceeded its cap writes nothing.
+is speed the ladder left. ALG/cm (e.g. --caps 4m) pins the ladder's other arm at that cap: the
+cost model chooses each request's drafts within c. Each pinned engine's verify lengths go into
+the JSON (verified_lengths: request-rounds per number of drafts verified), and a run in which
+one exceeded its cap writes nothing.
 """
 
 from __future__ import annotations
@@ -42,12 +43,13 @@ from dspark_launch.spec.ladder import Ladder
 PLAIN = "/plain"  # the suffix of an engine pinned to plain decoding
 
 
-def pin(engine, cap: int) -> None:
+def pin(engine, cap: int, model: bool = False) -> None:
     """Every step of this engine plays one arm of the ladder. At cap 0 no step drafts and each
     is dormant, its rows left out of the draft's context (what a ladder settled at plain
     decoding does between tries, for ever). At cap c >= 1 each request verifies at most c
-    drafts: every ladder of the policy is a one-arm ladder at (c, model off) that never moves,
-    so the step runs the policy's own planning and bookkeeping of that arm."""
+    drafts: every ladder of the policy is a one-arm ladder at (c, model) that never moves,
+    so the step runs the policy's own planning and bookkeeping of that arm (model off: every
+    request verifies c; on: the cost model chooses within c)."""
     policy = engine.policy
     if cap == 0:
         # Not a one-arm ladder at cap 0: a ladder goes dormant only when no neighbour is due
@@ -60,7 +62,7 @@ def pin(engine, cap: int) -> None:
         policy.plan = plan
         return
     ladders: dict[str, Ladder] = {}
-    policy._ladder = lambda cls, requests: ladders.setdefault(cls, Ladder.single(cap, False))
+    policy._ladder = lambda cls, requests: ladders.setdefault(cls, Ladder.single(cap, model))
 
 
 def write_medians(names: list[str], ratios: dict[str, list[float]],
@@ -76,12 +78,25 @@ def write_medians(names: list[str], ratios: dict[str, list[float]],
     print(f"wrote {path}")
 
 
-def pinned_cap(name: str) -> int | None:
-    """ALG/plain -> 0, ALG/c -> c; None for an engine that runs as the benchmark runs it."""
+def pinned_arm(name: str) -> tuple[int, bool] | None:
+    """ALG/plain -> (0, False), ALG/c -> (c, False), ALG/cm -> (c, True); None for an engine
+    that runs as the benchmark runs it."""
     if name.endswith(PLAIN):
-        return 0
+        return 0, False
     tail = name.partition("/")[2]
-    return int(tail) if tail.isdigit() and not name.startswith("NONE") else None
+    if name.startswith("NONE") or not tail.removesuffix("m").isdigit():
+        return None
+    return int(tail.removesuffix("m")), tail.endswith("m")
+
+
+def arm_name(text: str) -> str:
+    """A --caps entry ("0", "4" or "4m": cap 4 with the model) as its engines' suffix."""
+    cap = text.removesuffix("m")
+    if not cap.isdigit() or (text.endswith("m") and int(cap) == 0):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a cap is a number of drafts, 0 (plain) or more, and 'm' after one "
+            f"of 1 or more pins the cost model within it (e.g. 4m)")
+    return PLAIN if int(cap) == 0 else f"/{int(cap)}{'m' if text.endswith('m') else ''}"
 
 
 def main() -> None:
@@ -95,12 +110,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--algorithms", nargs="+", default=["NGRAM", "DFLASH"],
                     choices=("NGRAM", "DFLASH", "DSPARK"))
-    ap.add_argument("--caps", nargs="+", type=int, default=[0],
-                    help="pinned arms per algorithm (0: ALG/plain; c >= 1: ALG/c)")
+    ap.add_argument("--caps", nargs="+", type=arm_name, default=[PLAIN],
+                    help="pinned arms per algorithm (0: ALG/plain; c >= 1: ALG/c, every "
+                         "request verifies c; cm: ALG/cm, the cost model within c)")
     ap.add_argument("--out", default="docs/bench/bench_plain_cost.json")
     args = ap.parse_args()
-    if any(c < 0 for c in args.caps):
-        ap.error(f"--caps {args.caps}: a cap is a number of drafts, 0 (plain) or more")
     torch.set_num_threads(1)
 
     from dspark_launch.args import resolve_config
@@ -109,8 +123,7 @@ def main() -> None:
     init_parallel_runtime(resolve_config(["--device", "cpu"], world_size=1))
 
     names = ["NONE", TWIN] + [n for a in args.algorithms for n in
-                              (a, *(a + (PLAIN if c == 0 else f"/{c}")
-                                    for c in sorted(set(args.caps))))]
+                              (a, *(a + c for c in dict.fromkeys(args.caps)))]
     ratios: dict[str, list[float]] = {n: [] for n in names}
     drafting: dict[str, list[float]] = {n: [] for n in names}
     taus: dict[str, list[float]] = {n: [] for n in names}
@@ -119,8 +132,8 @@ def main() -> None:
         params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature)
 
         def adjust(name: str, engine) -> None:  # NONE/2 is a NONE engine, ALG/c an ALG one
-            if (cap := pinned_cap(name)) is not None:
-                pin(engine, cap)
+            if (arm := pinned_arm(name)) is not None:
+                pin(engine, *arm)
                 pinned[name] = engine
 
         for rep, done in side_by_side(names, args.batch, args.num_prompts, params, args.warmup,
@@ -142,9 +155,9 @@ def main() -> None:
     # that the pin held (a round may verify fewer near max_tokens, never more).
     lengths = {n: dict(sorted(e.policy.metrics.lengths.items())) for n, e in pinned.items()}
     for n, seen in lengths.items():
-        if max(seen, default=0) > pinned_cap(n):
+        if max(seen, default=0) > pinned_arm(n)[0]:
             raise SystemExit(f"{n}: a round verified {max(seen)} drafts, above its cap "
-                             f"{pinned_cap(n)} (lengths {seen}): the pin did not hold; "
+                             f"{pinned_arm(n)[0]} (lengths {seen}): the pin did not hold; "
                              f"nothing written")
     out = {"meta": {"cpu": cpu_model(), "torch": torch.__version__, **vars(args)},
            "results": {n: {"speedup_vs_none": statistics.median(ratios[n]),

@@ -668,12 +668,25 @@ class Ladder:
         return True
 
     def to_dict(self) -> dict:
-        """The current arm, and each neighbour's measured speed over it."""
+        """The current arm, and each neighbour's measured speed over it: its ratio, the
+        tries behind it and the band of Z standard errors around it that _judge weighs. A
+        ratio from a few tries says little: at batch 16, T=1, round 37's report read
+        DSpark's (4, model) arm at 1.11x plain decoding, its ladder having tried anything
+        28 times in 7,394 steps; pinned to that arm, DSpark ran no faster than plain
+        decoding (round 38, scripts/bench_plain_cost.py --caps 4m)."""
         self._settle()
-        near = self.near[self.at]
         return {"current": {"cap": self.current.cap, "model": self.current.model},
                 "steps": self.steps, "tries": self.tries,
-                "neighbours": [{"cap": self.arms[j].cap, "model": self.arms[j].model,
-                                "rounds": round(self.arms[j].rounds, 1),
-                                "ratio": round(math.exp(self._gap(j)), 4)
-                                if self.arms[j].rounds else None} for j in near]}
+                "neighbours": [self._reading(j) for j in self.near[self.at]]}
+
+    def _reading(self, j: int) -> dict:
+        """Arm j's entry in to_dict()."""
+        arm = self.arms[j]
+        out = {"cap": arm.cap, "model": arm.model, "rounds": round(arm.rounds, 1),
+               "tries": arm.count, "ratio": None, "band": None}
+        if arm.rounds:
+            gap, noise = self._gap(j), Z * arm.log_error(self._floor)
+            out["ratio"] = round(math.exp(gap), 4)
+            if math.isfinite(noise):
+                out["band"] = [round(math.exp(gap - noise), 4), round(math.exp(gap + noise), 4)]
+        return out

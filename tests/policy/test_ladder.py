@@ -23,6 +23,7 @@ from dspark_launch.spec.ladder import (
     TRY_GAP,
     Allowance,
     Ladder,
+    Z,
 )
 from dspark_launch.spec.policy import MEASURED_AFTER, round_score
 
@@ -608,3 +609,37 @@ def test_waking_for_tries_is_paid_from_the_budget(speed):
     if speed == 0.99:
         free, always = awake_loop(Ladder(8, try_steps=2), speed, wake, steps, charged=False)
         assert always >= 0.9 and free >= 3 * lost, (free, always)
+
+
+def test_the_report_gives_each_neighbour_its_tries_and_band():
+    """to_dict(): a neighbour's ratio over the current arm, how many scored tries it rests on,
+    and its band of Z standard errors. A neighbour that runs 0.9x plain decoding, each try
+    off by +-3% in turn (under the NOISE floor of 5% a try): closed form, its ratio is 0.9 and
+    its band 0.9 x exp(+-Z x 0.05 / sqrt(tries)), narrowing as tries come. A neighbour never
+    tried has neither."""
+    ladder = Ladder(8)
+    j = next(i for i, a in enumerate(ladder.arms) if (a.cap, a.model) == (2, False))
+
+    def reading(cap: int, model: bool) -> dict:
+        return next(n for n in ladder.to_dict()["neighbours"]
+                    if (n["cap"], n["model"]) == (cap, model))
+
+    assert reading(2, False) == {"cap": 2, "model": False, "rounds": 0.0, "tries": 0,
+                                 "ratio": None, "band": None}
+    for _ in range(5):  # plain decoding's steps: its speed (1.0) is the yardstick
+        ladder.observe(PLAIN, ROUNDS, ROUNDS, 1.0)
+    ladder.observe(j, ROUNDS, ROUNDS * 0.9, 1.0)  # an arm's first step: warm-up, not scored
+    widths = {}
+    for k in range(1, 33):
+        ladder.observe(j, ROUNDS, ROUNDS * 0.9 * (1.03 if k % 2 else 1 / 1.03), 1.0)
+        ladder.observe(PLAIN, ROUNDS, ROUNDS, 1.0)
+        if k in (4, 16, 32):
+            got = reading(2, False)
+            assert got["tries"] == k and ladder.at == PLAIN
+            assert got["ratio"] == pytest.approx(0.9, abs=1e-3)
+            half = Z * 0.05 / math.sqrt(k)  # the band's half-width, in log
+            assert got["band"] == pytest.approx([0.9 * math.exp(-half), 0.9 * math.exp(half)],
+                                                rel=2e-3)
+            widths[k] = got["band"][1] - got["band"][0]
+    assert widths[4] > widths[16] > widths[32]
+    assert reading(1, True)["band"] is None  # never tried
