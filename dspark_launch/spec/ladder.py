@@ -530,7 +530,7 @@ class Ladder:
         there = self.arms[i]
         if not there.judgeable:
             return
-        gap, noise = self._gap(i), Z * there.log_error(self._floor)
+        gap, noise = self._evidence(i)
         if i == PLAIN and gap > -math.log(1 + MARGIN) / 2 and noise < math.log(1 + TIE):
             # Plain decoding takes a tie: it costs the least CPU and its speed rests on no
             # estimate, so a drafting arm stays only while it beats plain by the margin (at
@@ -553,6 +553,11 @@ class Ladder:
             # current arm keeps it (plain decoding keeps a drafter never accepted).
             grow = 4 if gap + noise < math.log(1 - CLEAR) else 2
             there.wait = min(grow * there.wait, EXPLORE_MAX)
+
+    def _evidence(self, j: int) -> tuple[float, float]:
+        """Arm j's log speed ratio over the current arm (_gap) and Z standard errors of it:
+        what _judge weighs, and what the report shows."""
+        return self._gap(j), Z * self.arms[j].log_error(self._floor)
 
     def _gap(self, j: int) -> float:
         """Arm j's log speed ratio over the current arm, its tries' tokens re-scored.
@@ -685,7 +690,7 @@ class Ladder:
         out = {"cap": arm.cap, "model": arm.model, "rounds": round(arm.rounds, 1),
                "tries": arm.count, "ratio": None, "band": None}
         if arm.rounds:
-            gap, noise = self._gap(j), Z * arm.log_error(self._floor)
+            gap, noise = self._evidence(j)
             out["ratio"] = round(math.exp(gap), 4)
             if math.isfinite(noise):
                 out["band"] = [round(math.exp(gap - noise), 4), round(math.exp(gap + noise), 4)]
