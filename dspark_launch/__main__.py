@@ -17,24 +17,17 @@ import torch
 
 from dspark_launch.args import RunConfig, resolve_config
 from dspark_launch.comm import all_gather_object
-from dspark_launch.errors import ConfigError, LaunchError
+from dspark_launch.errors import LaunchError
 from dspark_launch.failure import (
-    BROKEN,
     EXIT_CODES,
     FAILED,
-    Interrupted,
-    conclude,
-    config_verdict,
+    agree,
     install_signal_handlers,
-    is_collective_failure,
-    posted_verdicts,
     progress,
     received_signal,
     record_signals_only,
     roll_call,
-    signal_or_follow,
     store_of_world,
-    verdict_wait_s,
 )
 from dspark_launch.log import logger, setup_logging
 from dspark_launch.parallel import (
@@ -120,50 +113,16 @@ def stop(state: ParallelState, err: BaseException) -> int:
         if state.rank == 0:
             print(f"dspark_launch: error: {err}", file=sys.stderr, flush=True)
         return err.exit_code
-    verdict = _verdict(err, state.world_size)
-    if verdict is None:  # this rank's own failure: its traceback, here
+    end = agree(state.rank, state.world_size, err)
+    if end is None:  # this rank's own failure: its traceback, here
         print(f"dspark_launch: error: rank {state.rank} failed during {progress.where()}: "
               f"{type(err).__name__}: {err}\n{traceback.format_exc()}", file=sys.stderr,
               flush=True)
         roll_call(store_of_world(), state.rank, state.world_size, FAILED, 0.0)
         return 1
-    answers = roll_call(store_of_world(), state.rank, state.world_size, verdict,
-                        verdict_wait_s(verdict))
-    noticed = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    end = conclude(state.rank, state.world_size, answers, noticed)
     if end.speak:
         print(f"dspark_launch: error: {end.line}", file=sys.stderr, flush=True)
     return end.exit_code
-
-
-def _verdict(err: BaseException, world_size: int) -> str | None:
-    """What this rank tells the others in the roll call (None: a failure of its own)."""
-    if isinstance(err, Interrupted):
-        return signal_or_follow(err.signum, _posted(world_size))
-    if is_collective_failure(err):
-        # What this rank knows is that its collective broke, even if a signal came meanwhile:
-        # torchrun's agent SIGTERMs the survivors of a dead rank, maybe before they notice.
-        # A real stop signal reaches every rank, and their verdicts say so in the roll call.
-        return BROKEN
-    if signum := received_signal():
-        verdict = signal_or_follow(signum, _posted(world_size))
-        if verdict == BROKEN and isinstance(err, ConfigError):
-            return config_verdict(str(err))  # its own error, next to the peer's
-        return verdict
-    if isinstance(err, ConfigError):
-        return config_verdict(str(err))
-    return None
-
-
-def _posted(world_size: int) -> dict[int, str]:
-    """The roll call's verdicts so far (none when there is no store left to ask)."""
-    store = store_of_world()
-    if store is None or world_size == 1:
-        return {}
-    try:
-        return posted_verdicts(store, world_size)
-    except Exception:  # noqa: BLE001 - the store itself is gone
-        return {}
 
 
 def engine_and_job_args(cfg: RunConfig):

@@ -295,6 +295,7 @@ class Conclusion:
     exit_code: int
     speak: bool
     line: str
+    reason: str  # the line less what this rank noticed of it: what a client is told
 
 
 def conclude(rank: int, world_size: int, answers: dict[int, str], noticed: str = "") -> Conclusion:
@@ -310,22 +311,75 @@ def conclude(rank: int, world_size: int, answers: dict[int, str], noticed: str =
         signum = signals[min(signals)]
         after = ("completed requests are in the output" if progress.phase == "decode" else
                  f"stopped during {progress.where()}, before any request ran")
-        return Conclusion(EXIT_CODES.get(signum, 1), rank == 0,
-                          f"interrupted by {signal.Signals(signum).name}; {after}")
+        line = f"interrupted by {signal.Signals(signum).name}; {after}"
+        return Conclusion(EXIT_CODES.get(signum, 1), rank == 0, line, line)
     configs = {r: v for r, v in answers.items() if v.startswith("config ")}
     if configs:
         same = sorted(r for r, v in configs.items() if v == mine)
         message = mine[len("config "):]
         if len(same) < world_size:
             message = f"on rank(s) {same}: {message}"
-        return Conclusion(2, bool(same) and rank == same[0], message)
+        return Conclusion(2, bool(same) and rank == same[0], message, message)
     failed = sorted(r for r, v in answers.items() if v == FAILED)
     if failed:  # it printed its own traceback; the others only follow it out
-        return Conclusion(1, False, f"rank(s) {failed} failed during {progress.where()}")
+        line = f"rank(s) {failed} failed during {progress.where()}"
+        return Conclusion(1, False, line, line)
     missing = [r for r in range(world_size) if r not in answers]
     who = f"rank(s) {missing}" if missing else "a peer rank"
-    return Conclusion(1, rank == min(answers), f"{who} of {world_size} stopped answering "
-                      f"during {progress.where()} (noticed by rank {rank}: {noticed})")
+    reason = f"{who} of {world_size} stopped answering during {progress.where()}"
+    return Conclusion(1, rank == min(answers), f"{reason} (noticed by rank {rank}: {noticed})",
+                      reason)
+
+
+def verdict_of(err: Exception, world_size: int) -> str | None:
+    """What this rank tells the others in the roll call (None: a failure of its own)."""
+    if isinstance(err, Interrupted):
+        return signal_or_follow(err.signum, _posted(world_size))
+    if is_collective_failure(err):
+        # What this rank knows is that its collective broke, even if a signal came meanwhile:
+        # torchrun's agent SIGTERMs the survivors of a dead rank, maybe before they notice.
+        # A real stop signal reaches every rank, and their verdicts say so in the roll call.
+        return BROKEN
+    if signum := received_signal():
+        verdict = signal_or_follow(signum, _posted(world_size))
+        if verdict == BROKEN and isinstance(err, ConfigError):
+            return config_verdict(str(err))  # its own error, next to the peer's
+        return verdict
+    if isinstance(err, ConfigError):
+        return config_verdict(str(err))
+    return None
+
+
+def _posted(world_size: int) -> dict[int, str]:
+    """The roll call's verdicts so far (none when there is no store left to ask)."""
+    store = store_of_world()
+    if store is None or world_size == 1:
+        return {}
+    try:
+        return posted_verdicts(store, world_size)
+    except Exception:  # noqa: BLE001 - the store itself is gone
+        return {}
+
+
+_agreed: list[tuple[Exception, Conclusion]] = []  # the roll call's outcome, and its error
+
+
+def agree(rank: int, world_size: int, err: Exception) -> Conclusion | None:
+    """How the job ends after `err`, as every rank agrees in the roll call (conclude); None
+    for a failure of this rank's own, which it reports itself (its traceback). The roll call
+    runs once per error: the server asks first, to answer its open requests with the job's
+    line, and the CLI's stop then says the same."""
+    if _agreed and _agreed[0][0] is err:
+        return _agreed[0][1]
+    record_signals_only()
+    verdict = verdict_of(err, world_size)
+    if verdict is None:
+        return None
+    answers = roll_call(store_of_world(), rank, world_size, verdict, verdict_wait_s(verdict))
+    noticed = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    end = conclude(rank, world_size, answers, noticed)
+    _agreed[:] = [(err, end)]
+    return end
 
 
 # Test hook: "RANK:WHERE:KIND[,RANK:WHERE:KIND...]", first attempt only. WHERE is a decode

@@ -18,7 +18,7 @@ from dspark_launch.comm import agreed
 from dspark_launch.engine.build import EngineArgs, build_engine
 from dspark_launch.engine.heap import freeze_heap
 from dspark_launch.errors import ConfigError
-from dspark_launch.failure import StopNow, is_collective_failure, progress
+from dspark_launch.failure import StopNow, agree, is_collective_failure, progress
 from dspark_launch.log import logger
 from dspark_launch.parallel import get_parallel
 from dspark_launch.serve.app import build_app
@@ -37,8 +37,13 @@ def stop_reason(err: BaseException) -> str:
     """Why the server stops under its open requests, in a line for their answers."""
     if isinstance(err, StopNow):
         return f"it stopped at once on {signal.Signals(err.signum).name}"
-    if is_collective_failure(err):  # (gloo's own text names sockets and files, not ranks)
-        return f"another rank stopped answering during {progress.where()}"
+    if is_collective_failure(err):
+        # gloo's own text names sockets and files, not ranks: the roll call names them (the
+        # open requests wait for it, up to failure.ROLL_CALL_WAIT_S; the job's line follows)
+        state = get_parallel()
+        end = agree(state.rank, state.world_size, err)
+        return end.reason if end is not None else \
+            f"another rank stopped answering during {progress.where()}"
     first = str(err).strip().splitlines()[0] if str(err).strip() else ""
     return f"{type(err).__name__} during {progress.where()}" + (f": {first}" if first else "")
 

@@ -62,6 +62,18 @@ def test_dead_rank_is_named_by_the_lowest_survivor() -> None:
     assert ends[1][:2] == (1, False)
 
 
+def test_the_reason_a_client_is_told_leaves_out_what_the_rank_noticed() -> None:
+    """A server answers its open requests with the reason: the line without gloo's socket
+    text (what this rank noticed); every other line is its own reason."""
+    dead = conclude(1, 4, {1: BROKEN, 3: BROKEN}, "Connection closed by peer [::1]:4242")
+    assert dead.reason == "rank(s) [0, 2] of 4 stopped answering during loading"
+    for answers in ({r: config_verdict("bad flag") for r in range(4)},
+                    {0: BROKEN, 1: signal_verdict(15), 2: BROKEN, 3: BROKEN},
+                    {0: BROKEN, 1: FAILED, 3: BROKEN}):
+        end = conclude(0, 4, answers, "noticed")
+        assert end.reason == end.line
+
+
 def test_a_signal_after_a_peers_config_error_follows_it_out() -> None:
     """torchrun signals the survivors of a rank that exited: a rank signalled once a peer had
     posted a configuration error follows that error (exit 2, said by the peer alone); with

@@ -17,7 +17,7 @@ def test_a_dead_rank_ends_the_server_naming_it(tmp_path):
     """Rank 1 SIGKILLs itself at the start of decode step 200 (the job's fault hook), a
     second or so after two requests of 300 tokens were admitted: both open requests are
     answered with an OpenAI-style error before HTTP stops (uvicorn used to cancel them, a
-    traceback each in the log), and the job's failure line names the rank."""
+    traceback each in the log) naming the rank, as the job's failure line does."""
     server = launch(["--speculative-algorithm", "NONE", "--dist-timeout", "60", *POOL],
                     nproc=2, log=tmp_path / "server.log", env={"DSPARK_FAULT": "1:200:kill"})
     pids = server.rank_pids()
@@ -47,7 +47,7 @@ def test_a_dead_rank_ends_the_server_naming_it(tmp_path):
     error = answer.json()["error"]
     assert error["type"] == "server_error" and error["code"] == "server_stopped"
     assert error["message"].startswith("the server stopped before this request finished: ")
-    assert error["message"].endswith("another rank stopped answering during step 200")
+    assert error["message"].endswith(": rank(s) [1] of 2 stopped answering during step 200")
     assert "rank(s) [1] of 2 stopped answering during step 200" in log
     assert "rank 1 (local_rank 1) ended with signal SIGKILL" in log
     assert "Traceback" not in log and "Exception in ASGI application" not in log
