@@ -86,11 +86,12 @@ PLAIN_EVERY = 32
 # The plain curve learns from few steps (one in PLAIN_EVERY where drafting pays): each moves
 # it more, and a stall of the machine less.
 PLAIN_EMA, PLAIN_OUTLIER = 0.3, 1.3
-# Dormant (plain decoding settled, no try due within this many steps): the engine stops
-# writing the draft's context for committed rows, and resumes this far ahead of the next try
-# so that the try drafts from recent context. A drafter that never pays then costs what its
-# context costs for a few steps in every EXPLORE_MAX (the draft's context projection of every
-# token was 3-5% of the tiny target's forward at batch 16 and 64).
+# Dormant (plain decoding settled, no try due within this many steps; for the "model"
+# policy: no probe): the engine stops writing the draft's context for committed rows, and
+# resumes this far ahead of the next try so that the try drafts from recent context. A
+# drafter that never pays then costs what its context costs for a few steps in every
+# EXPLORE_MAX (the draft's context projection of every token was 3-5% of the tiny target's
+# forward at batch 16 and 64).
 WAKE_AHEAD = 32
 # A draft position's measured rate scores the ladder's rounds (round_score) once this many
 # rounds (aged) reached it; the positions past it are scored by what the round accepted there.
@@ -391,7 +392,8 @@ class VerifyPolicy:
         self._since_plain = self._since_plain + 1 if sum(lengths) else 0
         if (not cap or any(limits)) and not sum(lengths):  # (at cap 0 the engine may pass
             self.metrics.skipped_drafts += 1  # zeros for limits it did not work out: pick())
-        self.dormant = arm == ladder.at and not sum(lengths) and ladder.quiet(WAKE_AHEAD)
+        self.dormant = arm == ladder.at and not sum(lengths) and (
+            self._model_asleep() if self.mode == "model" else ladder.quiet(WAKE_AHEAD))
         self.metrics.dormant_steps += self.dormant
         self._played = _Played(ladder, arm, cls, base_tokens)
         return lengths
@@ -449,6 +451,13 @@ class VerifyPolicy:
                        limits: Sequence[int], base_tokens: int) -> list[int]:
         """The cost model's lengths from past rounds (best_prefix), probing now and then
         while it drafts nothing."""
+        if self.mode == "model" and self._backed_off() and self._idle + 1 < self._probe_every:
+            # Idle after a probe that did not pay: nothing drafts before the next probe (the
+            # estimates it would re-price have not moved), so that the policy can sleep
+            # until WAKE_AHEAD steps before it (_model_asleep). (The ladder's model arms keep
+            # re-pricing: a ladder sleeps only at plain decoding.)
+            self._idle += 1
+            return [0] * len(limits)
         if (self._idle % IDLE_RECHECK and self._idle + 1 < self._probe_every
                 and keys == self._idle_keys):
             # Idle, same requests: their estimates have not moved (counts age with drafting
@@ -479,6 +488,20 @@ class VerifyPolicy:
         else:
             self._idle = 0
         return choice.lengths
+
+    def _backed_off(self) -> bool:
+        """Idle, and probes spaced out past PROBE_EVERY (the last one accepted nothing)."""
+        return self._idle > 0 and self._probe_every > PROBE_EVERY
+
+    def _model_asleep(self) -> bool:
+        """The "model" policy drafts nothing in this step nor in the WAKE_AHEAD after it:
+        idle and backed off, its next probe further away (_model_lengths re-prices nothing
+        before it). Its steps may then leave their rows out of the draft's context, as a
+        ladder settled at plain decoding does (Ladder.quiet), which a one-arm ladder never
+        is: without this, a drafter the model wrote off still cost its context writes at
+        every step (batch 16, T=1: 2.1% of the embedded engine's wall time, 1.0-1.3% with
+        sleep, prefill rows' writes included; scripts/bench_model_sleep.py)."""
+        return self._backed_off() and self._idle + WAKE_AHEAD < self._probe_every
 
     def _probe(self, limits: Sequence[int], base_tokens: int) -> Choice:
         """The next request in turn that may draft drafts all it may; the others none."""

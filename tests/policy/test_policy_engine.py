@@ -60,11 +60,11 @@ def make_oracle(base, full):
     return Oracle
 
 
-def policy_argv(tiny, algorithm, prompts, max_new=MAX_NEW, profile="off"):
+def policy_argv(tiny, algorithm, prompts, max_new=MAX_NEW, profile="off", policy="adaptive"):
     draft = {"DFLASH": tiny.dflash, "DSPARK": tiny.dspark}.get(algorithm)
     return [*model_args(tiny, algorithm, draft=None if draft is None else draft(BLOCK)),
             "--prompts", str(prompts), "--max-new-tokens", str(max_new),
-            "--speculative-policy", "adaptive", "--profile-cost-curve", profile, *AMPLE]
+            "--speculative-policy", policy, "--profile-cost-curve", profile, *AMPLE]
 
 
 class SteadyClock(ProposerProbe):
@@ -123,18 +123,20 @@ def test_always_wrong_drafter_converges_to_plain_decoding(tiny, tmp_path):
     assert report["realised_tau"] == (1.0 if report["rounds"] else 0.0), report
 
 
-def test_dormant_once_drafting_never_pays(tiny, tmp_path):
+@pytest.mark.parametrize("policy", ["adaptive", "model"])
+def test_dormant_once_drafting_never_pays(tiny, tmp_path, policy):
     """Two long requests and a drafter that is always wrong: once plain decoding has settled
-    and no try is near, steps leave their rows out of the draft's context (dormant), and the
-    outputs are still plain greedy's (the context only shapes the drafts)."""
+    and no try is near (adaptive: the ladder's; model: the cost model's backed-off probe),
+    steps leave their rows out of the draft's context (dormant), and the outputs are still
+    plain greedy's (the context only shapes the drafts)."""
     prompts = write_prompts(tmp_path / "p2.jsonl",
                             [{"input_ids": ids} for ids in prompt_ids(tiny.prompts12)[:2]])
     max_new = 12 * MAX_NEW
     full, ref = full_sequences(tiny, prompts, max_new)
     probe = DearDrafts("dspark_launch.spec.block_drafter", "DFlashProposer", make_drafter,
                        full, "garbage")
-    job = run_job(tmp_path, "dormant", policy_argv(tiny, "DFLASH", prompts, max_new),
-                  probe=probe)
+    job = run_job(tmp_path, "dormant", policy_argv(tiny, "DFLASH", prompts, max_new,
+                                                   policy=policy), probe=probe)
     assert job.rcs == [0]
     assert job.outputs == ref
     report = job.metrics["speculative_policy"]

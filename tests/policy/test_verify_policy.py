@@ -10,6 +10,8 @@ import torch
 from dspark_launch.spec.cost_curve import CostCurve
 from dspark_launch.spec.policy import (
     PLAIN_EVERY,
+    PROBE_EVERY_MAX,
+    WAKE_AHEAD,
     VerifyPolicy,
     merge_metrics,
     round_score,
@@ -34,15 +36,19 @@ def make_policy(confidence: bool = False, temperatures=None) -> VerifyPolicy:
     return VerifyPolicy("model", curve, draft, LIMIT, temperatures, confidence)
 
 
-def run(policy: VerifyPolicy, accept, steps: int, conf=None, planned=None) -> list[int]:
+def run(policy: VerifyPolicy, accept, steps: int, conf=None, planned=None, dormant=None
+        ) -> list[int]:
     """Closed loop; returns the drafts verified per step. accept(verified) -> accepted.
-    `planned` (a list) collects the drafts plan() let each step draw."""
+    `planned` (a list) collects the drafts plan() let each step draw, `dormant` whether it
+    let the step leave its rows out of the draft's context."""
     keys, classes, limits = list(range(REQS)), ["greedy"] * REQS, [LIMIT] * REQS
     verified_per_step = []
     for _ in range(steps):
         plan = policy.plan(keys, classes, limits, REQS)
         if planned is not None:
             planned.append(sum(plan))
+        if dormant is not None:
+            dormant.append(policy.dormant)
         drafted = sum(1 for n in plan if n)
         lengths = policy.choose(keys, classes, plan, REQS,
                                 conf=(lambda: torch.tensor([conf] * REQS)) if conf else None,
@@ -64,6 +70,26 @@ def test_always_wrong_drafter_converges_to_plain_decoding():
     late = verified[200:]
     assert sum(late) / len(late) < 0.1 * REQS  # < 0.1 drafts per request-round
     assert policy.metrics.skipped_drafts > 150  # and the draft forward is skipped
+
+
+def test_model_policy_sleeps_between_the_probes_of_a_drafter_written_off():
+    """The "model" policy (no ladder) and an always-wrong drafter: once its probes back off,
+    the steps between two probes more than WAKE_AHEAD before the second are dormant, the
+    rest awake, so a probe always drafts from WAKE_AHEAD steps of fresh context. Between
+    probes P steps apart: P - 1 - WAKE_AHEAD dormant steps. (Before, it never slept.)"""
+    policy = make_policy()
+    planned: list[int] = []
+    dormant: list[bool] = []
+    run(policy, lambda n: 0, 2500, planned=planned, dormant=dormant)
+    drafts = [t for t, n in enumerate(planned) if n]
+    gaps = [b - a for a, b in zip(drafts, drafts[1:])]
+    assert PROBE_EVERY_MAX in gaps  # backed off all the way, and still probing
+    assert not any(d and n for d, n in zip(dormant, planned))
+    for a, b in zip(drafts, drafts[1:]):
+        assert dormant[a + 1:b] == [v + WAKE_AHEAD < b - a for v in range(1, b - a)], (a, b)
+    assert sum(dormant[drafts[0]:drafts[-1]]) == sum(max(0, g - 1 - WAKE_AHEAD) for g in gaps)
+    assert policy.metrics.dormant_steps == sum(dormant)
+    assert sum(dormant[1000:]) > 0.8 * len(dormant[1000:])
 
 
 def test_oracle_drafter_verifies_full_blocks():
