@@ -46,9 +46,10 @@ BUDGET is the rate just after a move; it falls the longer the ladder stays (SETT
 exploring from a settled plain ladder costs ever less of the run. Once the budget has held
 plain decoding's tries back, they resume after a REFILL, in a burst.
 
-It starts at plain decoding, so speculation has to earn its place, and measures the top cap
-at once: where speculation pays most that is where the ladder ends (at batch 1 greedy a climb
-cap by cap took hundreds of steps), and where it does not the caps below are measured next.
+It starts at plain decoding, so speculation has to earn its place (a smaller batch's new
+ladder may start where a larger batch's earned it: start_at), and measures the top cap at
+once: where speculation pays most that is where the ladder ends (at batch 1 greedy a climb cap
+by cap took hundreds of steps), and where it does not the caps below are measured next.
 A climb continues in its direction first. Plain decoding neighbours every arm, so the ladder
 can always fall back to it. A fixed cap whose first tries ran far below the current arm, as the
 policy predicts it would (this run's acceptance rates and the start-up profile), backs off as
@@ -342,6 +343,16 @@ class Ladder:
         ladder.arms, ladder.near, ladder.top = [Arm(cap, model)], [[]], cap
         ladder._ahead = None
         return ladder
+
+    def start_at(self, cap: int, model: bool) -> None:
+        """Begin at arm (cap, model) rather than plain decoding, as if just moved there from
+        plain decoding (which is then measured afresh from it, at once), still measuring the
+        top cap at once: for the ladder of a batch smaller than one whose ladder settled
+        there (VerifyPolicy._ladder)."""
+        self._move(next(j for j, a in enumerate(self.arms) if (a.cap, a.model) == (cap, model)))
+        if self.top > cap:
+            self._ahead = next(j for j, a in enumerate(self.arms)
+                               if (a.cap, a.model) == (self.top, model))
 
     def _neighbours(self, i: int) -> list[int]:
         """Arms one or two caps up or down with the same mode (two: a cap that only ties

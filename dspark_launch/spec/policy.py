@@ -350,6 +350,9 @@ class VerifyPolicy:
         self.dormant = False  # this step drafts nothing and its context may be left out
         self._choices = 0  # choose() calls (CALIBRATION_EVERY)
         self._picked: tuple[Ladder, int, str] | None = None  # pick()'s, for this step's plan()
+        # A new ladder starts where a larger batch's stands (_ladder); False: at plain
+        # decoding always (scripts/bench_warm_start.py compares the two)
+        self.warm_start = True
 
     @property
     def adaptive(self) -> bool:
@@ -403,7 +406,15 @@ class VerifyPolicy:
         and sampled rounds accept drafts at different rates, and verify rows cost more, next
         to a plain step, the more requests share it). One ladder for every size climbed to
         the top cap in a run's tail (a few requests left) and started the next run there at
-        batch 64, where the top cap ran at 0.65x plain decoding."""
+        batch 64, where the top cap ran at 0.65x plain decoding.
+
+        A new ladder starts where the nearest ladder of a larger batch of its class that left
+        plain decoding stands (if any): drafting that pays for more requests pays for fewer
+        (a request's acceptance is its own, and its verify rows cost less next to a smaller
+        plain step), and a new ladder at plain decoding spent a run's drain there (at batch
+        16 greedy, DFlash's drain below 9 requests was 5.5-5.8% of its decode time, plain
+        at 0.36-0.44x the full batch's speed, scratch). It still measures plain decoding
+        from there at once, and its top cap."""
         size = 1 << (requests - 1).bit_length()  # 1, 2, 3-4, 5-8, ..., 33-64: a full
         # batch of 64 and the 63 left for a step when one finishes play the same ladder
         ladder = self._by_size.get((cls, size))
@@ -415,6 +426,11 @@ class VerifyPolicy:
                        allowance=self.allowances.setdefault(cls, Allowance()))
                 if self.mode == "adaptive" else Ladder.single(self.positions, model=True))
             ladder.expect = functools.partial(self._expected, ladder, cls)
+            drafting = [s for (c, s), lad in self._by_size.items()
+                        if c == cls and s > size and lad.current.cap]
+            if self.mode == "adaptive" and self.warm_start and drafting:
+                above = self._by_size[(cls, min(drafting))].current
+                ladder.start_at(above.cap, above.model)
         return ladder
 
     def _expected(self, ladder: Ladder, cls: str, j: int) -> float | None:

@@ -223,6 +223,41 @@ def test_each_batch_size_has_its_own_ladder():
     assert sampled.ladders == [policy.ladders["sampled, batch 1"]]
 
 
+def test_a_new_ladder_starts_where_the_nearest_larger_batch_s_stands():
+    """A run's drain (16 requests, then 8, 4, ...) meets new ladders. One starts at the arm
+    of the nearest larger batch's ladder of its class that left plain decoding, and measures
+    plain decoding and its top cap first thing; with none such (another class's do not
+    count), at plain decoding."""
+    policy = VerifyPolicy("adaptive", CostCurve([1, 1024], [1.0, 1.0 + 1023 * 0.05]),
+                          CostCurve([1, 8], [0.2, 0.3]), LIMIT)
+
+    def plan(n: int, cls: str = "greedy") -> list[int]:
+        return policy.plan(list(range(n)), [cls] * n, [LIMIT] * n, n)
+
+    def arm(ladder) -> tuple[int, bool]:
+        return ladder.current.cap, ladder.current.model
+
+    plan(16)
+    assert plan(3) == [0] * 3  # batch 9-16 is at plain decoding: so is the new 3-4
+    big = policy.ladders["greedy, batch 9-16"]
+    big._move(next(j for j, a in enumerate(big.arms) if (a.cap, a.model) == (2, False)))
+    assert plan(6) == [2] * 6  # the new 5-8 starts at cap 2: every request verifies it
+    assert arm(policy.ladders["greedy, batch 5-8"]) == (2, False)
+    assert plan(2, "sampled") == [0] * 2  # another class: its own start
+    assert plan(1) == [2]  # 3-4 is at plain decoding, 5-8 the nearest that left it
+    big.start_at(4, True)
+    assert plan(64) == [0] * 64  # none larger: plain decoding
+    assert arm(policy._ladder("greedy", 2)) == (2, False)  # 5-8 is nearer than 9-16
+    # The new ladder of batch 1 measures its top cap at once (in a row, as from plain
+    # decoding), and plain decoding next.
+    one, tried = policy.ladders["greedy, batch 1"], set()
+    for _ in range(64):
+        j = one.pick()
+        tried.add(one.arms[j].cap)
+        one.observe(j, 1, 1.0 + one.arms[j].cap / 2, 1.0)
+    assert one.top == LIMIT and {0, LIMIT} <= tried, tried
+
+
 @pytest.mark.parametrize("verified", [0, 1, 3, 8])
 @pytest.mark.parametrize("known", [0, 2, 5, 8])
 def test_round_score_averages_to_the_tokens_committed_and_scatters_less(verified, known):
