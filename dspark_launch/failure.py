@@ -361,16 +361,19 @@ def _posted(world_size: int) -> dict[int, str]:
         return {}
 
 
-_agreed: list[tuple[Exception, Conclusion]] = []  # the roll call's outcome, and its error
+ROLL_CALL_ENDING = "dspark_ending"  # the attribute agree() leaves on an error it concluded
 
 
 def agree(rank: int, world_size: int, err: Exception) -> Conclusion | None:
     """How the job ends after `err`, as every rank agrees in the roll call (conclude); None
     for a failure of this rank's own, which it reports itself (its traceback). The roll call
     runs once per error: the server asks first, to answer its open requests with the job's
-    line, and the CLI's stop then says the same."""
-    if _agreed and _agreed[0][0] is err:
-        return _agreed[0][1]
+    line, and the CLI's stop then says the same. The ending is kept on the error itself: a
+    module-level record would keep the error, its traceback and the dead job's process
+    groups alive, into the next forked world of a test run, which hung collecting them."""
+    end = getattr(err, ROLL_CALL_ENDING, None)
+    if end is not None:
+        return end
     record_signals_only()
     verdict = verdict_of(err, world_size)
     if verdict is None:
@@ -378,7 +381,8 @@ def agree(rank: int, world_size: int, err: Exception) -> Conclusion | None:
     answers = roll_call(store_of_world(), rank, world_size, verdict, verdict_wait_s(verdict))
     noticed = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     end = conclude(rank, world_size, answers, noticed)
-    _agreed[:] = [(err, end)]
+    with contextlib.suppress(AttributeError):  # (an exception type without a __dict__)
+        setattr(err, ROLL_CALL_ENDING, end)
     return end
 
 
