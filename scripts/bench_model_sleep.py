@@ -70,7 +70,8 @@ def main() -> None:
                 engine.policy._model_asleep = lambda: False
             policies[name] = engine.policy
             context[name] = [0.0, 0]
-            draft, write = engine.proposer.draft, engine.proposer.draft.materialize
+            draft = engine.proposer.draft
+            write = draft.materialize
 
             def timed(features, *rest, **kw):
                 t0 = time.perf_counter()

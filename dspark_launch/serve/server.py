@@ -42,8 +42,8 @@ def stop_reason(err: BaseException) -> str:
         # open requests wait for it, up to failure.ROLL_CALL_WAIT_S; the job's line follows)
         state = get_parallel()
         end = agree(state.rank, state.world_size, err)
-        return end.reason if end is not None else \
-            f"another rank stopped answering during {progress.where()}"
+        assert end is not None  # (a broken collective is a verdict: failure.verdict_of)
+        return end.reason
     first = str(err).strip().splitlines()[0] if str(err).strip() else ""
     return f"{type(err).__name__} during {progress.where()}" + (f": {first}" if first else "")
 

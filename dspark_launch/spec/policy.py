@@ -426,11 +426,12 @@ class VerifyPolicy:
                        allowance=self.allowances.setdefault(cls, Allowance()))
                 if self.mode == "adaptive" else Ladder.single(self.positions, model=True))
             ladder.expect = functools.partial(self._expected, ladder, cls)
-            drafting = [s for (c, s), lad in self._by_size.items()
-                        if c == cls and s > size and lad.current.cap]
-            if self.mode == "adaptive" and self.warm_start and drafting:
-                above = self._by_size[(cls, min(drafting))].current
-                ladder.start_at(above.cap, above.model)
+            if self.mode == "adaptive" and self.warm_start:
+                drafting = [s for (c, s), lad in self._by_size.items()
+                            if c == cls and s > size and lad.current.cap]
+                if drafting:
+                    above = self._by_size[(cls, min(drafting))].current
+                    ladder.start_at(above.cap, above.model)
         return ladder
 
     def _expected(self, ladder: Ladder, cls: str, j: int) -> float | None:
