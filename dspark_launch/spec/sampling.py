@@ -15,6 +15,9 @@ import torch
 from dspark_launch.attention import upload
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (engine.params.GREEDY_BELOW)
+# A top_k past the vocabulary keeps every token (target_probs clamps it to the row's width);
+# one past this is uploaded as this, so that any Python int fits the int64 tensor.
+TOP_K_ALL = 2**31 - 1
 
 
 @dataclass
@@ -37,8 +40,8 @@ class SamplingRows:
         """params: per row an object with temperature, top_k, top_p (a SamplingParams)."""
         n = len(params)
         greedy = [p.temperature < GREEDY_EPS for p in params]
-        ints = upload([keys, positions, [p.top_k for p in params]], torch.int64,
-                      device).reshape(3, n)
+        ints = upload([keys, positions, [min(p.top_k, TOP_K_ALL) for p in params]],
+                      torch.int64, device).reshape(3, n)
         if all(greedy):
             return cls(n, True, True, False, False, None, None, None, None, ints[0], ints[1])
         floats = upload([[1.0 if g else p.temperature for p, g in zip(params, greedy)],
@@ -76,8 +79,10 @@ def target_probs(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     probs = torch.softmax(x, dim=-1)
     if rows.any_top_p:
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        # Keep the smallest prefix whose mass reaches top_p. The first token always stays,
+        # also where top_p is below float32's smallest number and reads 0.
         drop = (sorted_p.cumsum(-1) - sorted_p) >= rows.top_p[:, None]
+        drop[:, 0] = False
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
         probs = probs / probs.sum(-1, keepdim=True)
     if not rows.any_greedy:

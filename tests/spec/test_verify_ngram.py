@@ -213,6 +213,24 @@ def test_draw_follows_top_k_top_p_closed_form():
     assert (toks[3] == 0).all()  # greedy row in the same batch: the argmax
 
 
+def test_extreme_top_k_and_top_p_are_what_they_mean():
+    """A top_k past any vocabulary (2**63 overflowed the int64 upload and killed the server's
+    step) keeps every token; a top_p that float32 reads as 0 keeps the most likely one (its
+    rows were all 0 and every draw fell to the last id)."""
+    from dspark_launch.engine.params import SamplingParams
+    from dspark_launch.spec.sampling import SamplingRows, target_probs
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    params = [SamplingParams(temperature=1.0, top_k=2**63), SamplingParams(top_k=2**70),
+              SamplingParams(temperature=1.0, top_p=1e-50), SamplingParams(top_p=1e-40)]
+    rows = SamplingRows.build(params, [1, 2, 3, 4], [0] * 4, "cpu")
+    probs = target_probs(logits.expand(4, -1), rows)
+    softmax = torch.softmax(logits[0], -1)
+    assert torch.allclose(probs[0], softmax) and torch.allclose(probs[1], softmax)
+    one_hot = torch.nn.functional.one_hot(torch.tensor(0), 6).float()
+    assert torch.equal(probs[2], one_hot) and torch.equal(probs[3], one_hot)
+
+
 def test_confident_length():
     c = torch.tensor([[0.9, 0.7, 0.4, 0.8], [0.5, 0.5, 0.1, 0.1]])
     assert confident_length(c, 0.0) is None  # threshold 0: the full block
