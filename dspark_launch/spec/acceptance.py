@@ -117,6 +117,18 @@ def fit_sts(
 
 # ---------------------------------------------------------------------- measured acceptance
 
+def shrunk_chain(hits: list[float], trials: list[float], weight: float, first: float
+                 ) -> list[float]:
+    """Per position, hits over trials shrunk towards the position before it (the first
+    towards `first`) with `weight` pseudo-trials: a position rarely reached borrows its
+    predecessor's rate."""
+    out, prev = [], first
+    for h, n in zip(hits, trials):
+        prev = (h + weight * prev) / (n + weight)
+        out.append(prev)
+    return out
+
+
 class _Counts:
     """Per-position counts of drafts reached (verified with every earlier draft accepted) and
     accepted, aged by decay**steps lazily (only when read or added to)."""
@@ -152,9 +164,10 @@ class AcceptanceTracker:
     and g_i itself is shrunk towards g_{i-1} (g_0 = prior): positions the policy has not
     verified lately borrow the rate of the position before them instead of staying stuck.
     Global counts are kept per class (greedy / sampled): sampled acceptance is lower. Every
-    step ages all counts by `decay`, so a drafter written off (verifying nothing, hence
-    observing nothing) drifts back towards the prior and is probed again now and then. The
-    prior is optimistic on purpose: a drafter nobody has tried yet gets tried, and learnt."""
+    tick() ages all counts by `decay`; the policy ticks on drafting steps only, so new
+    evidence replaces old while a drafter written off (verifying nothing, hence observing
+    nothing) keeps its rates, and only the policy's probes try it again. The prior is
+    optimistic on purpose: a drafter nobody has tried yet gets tried, and learnt."""
 
     def __init__(self, positions: int, prior: float = 0.7, prior_weight: float = 8.0,
                  request_weight: float = 4.0, decay: float = 0.99) -> None:
@@ -190,12 +203,9 @@ class AcceptanceTracker:
         counts = self._global.get(cls)
         if counts is not None:
             counts.at(self.now, self.decay)
-        rates, prev = [], self.prior
-        for i in range(self.positions):
-            reached = counts.reached[i] if counts else 0.0
-            acc = counts.accepted[i] if counts else 0.0
-            prev = (acc + self.prior_weight * prev) / (reached + self.prior_weight)
-            rates.append(prev)
+        zeros = [0.0] * self.positions
+        rates = shrunk_chain(counts.accepted if counts else zeros,
+                             counts.reached if counts else zeros, self.prior_weight, self.prior)
         self._rates[cls] = rates
         return rates
 
@@ -296,11 +306,7 @@ class ConfidenceCorrection:
         head (an over-confident head fails at every position alike)."""
         pred = self._pred.get(cls, [0.0] * self.positions)
         acc = self._acc.get(cls, [0.0] * self.positions)
-        out, prev = [], 1.0
-        for a, p in zip(acc, pred):
-            prev = (a + self.weight * prev) / (p + self.weight)
-            out.append(prev)
-        return out
+        return shrunk_chain(acc, pred, self.weight, 1.0)
 
     def apply(self, cls: str, cond: list[float]) -> list[float]:
         r = self.ratios(cls)

@@ -6,7 +6,8 @@ row, so it needs SPS(n) = target-forward steps per second with n tokens in the f
 measured at start-up over a handful of token counts by running the REAL forward (under DP
 attention every rank joins, idle groups with zero tokens, so the collectives are timed too),
 interpolated linearly between points, cached on disk per machine and topology, and refined
-online from the step times the engine measures anyway (an EMA of observed/predicted per point).
+online from the step times the engine measures anyway (observe(): an overhead every point
+shares, and the neighbouring points, by what is left of the error).
 
 Every rank of an attention-TP group must choose the same verify lengths, so the engine feeds
 this object only values every rank agrees on (rank 0's profile, gathered step times); given
@@ -30,7 +31,7 @@ CURVE_VERSION = 3  # 2: a slow point is lowered to the next one's time (profile(
 # are timed in turns (profile()); curves timed point by point are profiled again
 MIN_SECONDS = 1e-6  # a forward never takes less; keeps 1/seconds finite
 OUTLIER_RATIO = 2.0  # an observation counts as at most this factor off the prediction ...
-OUTLIER_AFTER = 8  # ... once the curve has this many observations
+OUTLIER_AFTER = 8  # ... once the curve has observed this many steps
 
 
 def profile_points(max_tokens: int, count: int = 6) -> list[int]:
@@ -64,6 +65,7 @@ class CostCurve:
     shape_rate: float = 0.01  # ... and in the neighbouring points' residual
     outlier_ratio: float = OUTLIER_RATIO  # an observation is clipped to this factor off
     observations: list[int] = field(default_factory=list)  # per point, for reports
+    observed: int = 0  # steps observe() took (one may count at two points: OUTLIER_AFTER)
 
     def __post_init__(self) -> None:
         if not self.tokens or len(self.tokens) != len(self.seconds):
@@ -124,9 +126,6 @@ class CostCurve:
             out = np.where(x > t[-1], s[-1] + (x - t[-1]) * high, out)
         return out
 
-    def steps_per_second(self, n: float) -> float:
-        return 1.0 / self.step_seconds(n)
-
     # ------------------------------------------------------------------ refining
 
     def observe(self, n: int, seconds: float) -> None:
@@ -140,7 +139,7 @@ class CostCurve:
         if n < 1 or seconds <= 0:
             return
         forward = self._forward_scalar(n)
-        if sum(self.observations) >= OUTLIER_AFTER:
+        if self.observed >= OUTLIER_AFTER:
             # A shared machine stalls now and then: one stall must not move the curve by more
             # than a bounded step (a policy that stops drafting stops measuring the draft).
             predicted = max(self.overhead + forward, MIN_SECONDS)  # step_seconds(n)
@@ -155,6 +154,7 @@ class CostCurve:
                 self.seconds[j] = max(MIN_SECONDS,
                                       self.seconds[j] + self.shape_rate * weight * err)
                 self.observations[j] += 1
+        self.observed += 1
         self._arrays = None
 
     # ------------------------------------------------------------------ (de)serialising

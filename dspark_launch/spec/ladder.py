@@ -306,8 +306,7 @@ class Ladder:
         self.try_steps = try_steps
         self._trying: tuple[int, int] | None = None  # a try under way: (arm, steps left)
         self._previous: int | None = None  # the arm of the last step observed
-        self.elapsed = 0.0  # yardstick steps all scored steps took ...
-        self.spent = 0.0  # ... and what tries lost in them (BUDGET) ...
+        self.spent = 0.0  # what tries lost in the steps seen (BUDGET) ...
         self.earned = 0.0  # ... and may lose: the budget's rate summed over them (SETTLE)
         self._settled = 0.0  # yardstick steps since the last move (SETTLE)
         self._refilling = False  # the budget stopped a try: no tries until REFILL is back
@@ -490,8 +489,7 @@ class Ladder:
             return
         arm = self.arms[i]
         speed = committed / (rounds * relative_seconds)
-        self.elapsed += relative_seconds  # a try's first step loses time too (BUDGET)
-        self.earned += relative_seconds * self.rate
+        self.earned += relative_seconds * self.rate  # a try's first step loses time too
         self._settled += relative_seconds
         if i != self.at and not math.isnan(self.base):
             self.spent += relative_seconds * (1 - speed / self.base)
@@ -552,7 +550,7 @@ class Ladder:
             # Not resolved yet: measure it more, but less often while it looks like a tie or
             # after many tries (a difference this hard to see is worth little).
             if abs(gap) < math.log(1 + MARGIN) or there.count >= PATIENCE:
-                there.wait = min(2 * there.wait, EXPLORE_MAX if i != PLAIN else UNRESOLVED)
+                self._wait(there, min(2 * there.wait, EXPLORE_MAX if i != PLAIN else UNRESOLVED))
             return
         if i == self._ahead:
             self._ahead = None
@@ -563,7 +561,15 @@ class Ladder:
             # tries cost most). A tie within the margin costs little either way, and the
             # current arm keeps it (plain decoding keeps a drafter never accepted).
             grow = 4 if gap + noise < math.log(1 - CLEAR) else 2
-            there.wait = min(grow * there.wait, EXPLORE_MAX)
+            self._wait(there, min(grow * there.wait, EXPLORE_MAX))
+
+    def _wait(self, arm: Arm, wait: int) -> None:
+        """Arm, judged, waits `wait` steps before its next try, from now: its due was set
+        from its old wait when the try began (pick), and a loser given a longer wait was
+        tried again after its old one (every drafting arm at 0.8x plain decoding: given 64
+        steps, tried 24 steps later)."""
+        arm.wait = wait
+        arm.due = max(arm.due, self._due(wait))
 
     def _evidence(self, j: int) -> tuple[float, float]:
         """Arm j's log speed ratio over the current arm (_gap) and Z standard errors of it:

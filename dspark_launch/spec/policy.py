@@ -79,9 +79,12 @@ POLICIES = ("adaptive", "model", "fixed")
 PROBE_EVERY = 32  # steps without drafting before one probe step (see VerifyPolicy.plan) ...
 PROBE_EVERY_MAX = 512  # ... doubling, up to this, after each probe that did not pay
 TOP_COST = 2.0  # a verify step this many plain steps dear at most: the ladder's top cap
-# Drafting steps between plain ones in a model arm: a plain step now and then (and the first)
-# measures what the model prices drafting against; without it, a drafter that looks good
-# would be priced against a plain step nobody timed (the ladder's own arms need none).
+# Drafting steps between plain ones while a model arm is the ladder's current arm: a plain
+# step now and then (and the first) measures what the model prices drafting against; without
+# it, a drafter that looks good would be priced against a plain step nobody timed (the
+# ladder's own arms need none). Never in a try of a model arm: the drafting steps of a fixed
+# arm count towards PLAIN_EVERY too, so from a fixed arm that had drafted 32 steps every try
+# of a model neighbour was played plain and measured nothing.
 PLAIN_EVERY = 32
 # The plain curve learns from few steps (one in PLAIN_EVERY where drafting pays): each moves
 # it more, and a stall of the machine less.
@@ -343,10 +346,9 @@ class VerifyPolicy:
         self.allowances: dict[str, Allowance] = {}
         self._by_size: dict[tuple[str, int], Ladder] = {}  # the same, by (class, size)
         self._model = True  # this step's lengths are the cost model's (choose() may cut)
-        # The step being planned, and the one before it: its times arrive in record_step()
-        # after the next step was planned.
+        # The step being planned: its times arrive in record_step() at the next step's
+        # exchange, before that step is planned (engine.Engine._step).
         self._played: _Played | None = None
-        self._pending: _Played | None = None
         self.dormant = False  # this step drafts nothing and its context may be left out
         self._choices = 0  # choose() calls (CALIBRATION_EVERY)
         self._picked: tuple[Ladder, int, str] | None = None  # pick()'s, for this step's plan()
@@ -375,7 +377,7 @@ class VerifyPolicy:
              base_tokens: int) -> list[int]:
         self._survival = {}
         self._rates = {}
-        self._pending, self._played = self._played, None
+        self._played = None  # a step whose times never came (nothing of it was timed)
         self.dormant = False
         if not self.adaptive or not keys:
             self._picked = None
@@ -387,7 +389,8 @@ class VerifyPolicy:
         capped = [min(n, cap) for n in limits]
         lengths = (self._model_lengths(keys, classes, capped, base_tokens) if self._model
                    else capped)
-        if self._model and sum(lengths) and self._since_plain >= PLAIN_EVERY:
+        if self._model and arm == ladder.at and sum(lengths) \
+                and self._since_plain >= PLAIN_EVERY:
             # Plain now, and let drafting resume next step (the step counts as plain's): the
             # model prices drafting against plain steps (the ladder's arms need none).
             self._since_plain, arm, lengths = 0, PLAIN, [0] * len(limits)
@@ -661,18 +664,12 @@ class VerifyPolicy:
             self.correction.tick()
 
     def _observe_ladder(self, seconds: float, context_s: float) -> None:
-        """The timed step's outcome to its ladder. Its times arrive one step late: after the
-        next step was planned (then it is _pending) or, when that step planned nothing (a
-        prefill), while it is still _played; a step none of whose requests was recorded yet
+        """The timed step's outcome to its ladder. Its times arrive at the next step's
+        exchange, before that step is planned; a step none of whose requests was recorded
         is not the one timed."""
-        played = next((p for p in (self._pending, self._played) if p is not None and p.rounds),
-                      None)
-        if played is None:
+        played, self._played = self._played, None
+        if played is None or not played.rounds:
             return
-        if played is self._pending:
-            self._pending = None
-        else:
-            self._played = None
         yardstick = self.yardstick(played.base_tokens)
         played.ladder.observe(played.arm, played.rounds, played.committed,
                               seconds / yardstick, context_s / yardstick)

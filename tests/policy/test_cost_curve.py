@@ -12,6 +12,7 @@ import pytest
 from dspark_launch.disk_cache import MAX_AGE_S, WRITTEN_AT, cache_key
 from dspark_launch.errors import ConfigError
 from dspark_launch.spec.cost_curve import (
+    OUTLIER_AFTER,
     OUTLIER_RATIO,
     CostCurve,
     load_cached,
@@ -33,7 +34,6 @@ def test_interpolation_closed_form():
     assert c.step_seconds(3) == pytest.approx(1.0)
     assert c.step_seconds(7) == pytest.approx(2.0)
     assert c.step_seconds(13) == pytest.approx(5.0)  # last slope extends
-    assert c.steps_per_second(7) == pytest.approx(0.5)
     down = CostCurve([1, 2], [2.0, 1.0])
     assert down.step_seconds(10) >= 1.0  # extrapolation never gets faster than the last point
 
@@ -181,6 +181,22 @@ def test_one_stall_moves_the_curve_a_bounded_step():
     c.observe(8, 1000.0)  # a stall: counted as at most OUTLIER_RATIO x the prediction
     # overhead moves by ema x the clipped error, the point by shape_rate x what is left
     assert c.step_seconds(8) <= before * (1 + (OUTLIER_RATIO - 1) * (c.ema + c.shape_rate))
+
+
+@pytest.mark.parametrize("at", [1, 5])  # on a point, and between two (it moves both)
+def test_stalls_are_clipped_once_the_curve_observed_outlier_after_steps(at):
+    """A stall counts in full before OUTLIER_AFTER steps were observed, clipped from then on,
+    wherever the steps fell (an observation between two points was counted at both, so
+    clipping began after half the steps there)."""
+    for seen in (OUTLIER_AFTER - 1, OUTLIER_AFTER):
+        c = CostCurve([1, 9], [1.0, 2.0])
+        for _ in range(seen):
+            c.observe(at, c.step_seconds(at))  # steady: exactly as predicted
+        predicted = c.step_seconds(at)
+        c.observe(at, 100.0)
+        clipped = c.overhead == pytest.approx(c.ema * (OUTLIER_RATIO - 1) * predicted)
+        full = c.overhead == pytest.approx(c.ema * (100.0 - predicted))
+        assert (clipped, full) == ((False, True) if seen < OUTLIER_AFTER else (True, False))
 
 
 @pytest.mark.parametrize("n", [0, 0.5, 1, 1.5, 2, 7, 8, 9, 100, 128, 511.5, 512, 513, 10**4])

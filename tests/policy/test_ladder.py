@@ -13,6 +13,7 @@ import pytest
 
 from dspark_launch.spec.acceptance import MeasuredRates
 from dspark_launch.spec.ladder import (
+    ALIGN,
     ALLOWANCE,
     BUDGET,
     BUDGET_FLOOR,
@@ -61,21 +62,24 @@ def brute_force(ladder: Ladder, speedup) -> tuple[int, bool]:
 
 
 def test_climbs_to_the_arm_brute_force_picks():
-    """Five seeds each. The arms 7 and 8 of peaked(6) are 3.2% apart under +-10% noise per
+    """Twenty seeds each. The arms 7 and 8 of peaked(6) are 3.2% apart under +-10% noise per
     step: telling them apart at Z standard errors takes more tries than an arm that only ties
     gets (PATIENCE, then less and less often), so a seed may end at either; what the seeds
-    run late is within TOLERANCE of the best all the same."""
+    run late is within TOLERANCE of the best all the same. And a seed whose first tries of
+    the best arm all drew low noise may judge it no faster and try it rarely after that: at
+    peaked(1), whose cap 1 is 10% over plain decoding, 3 to 4 seeds in 100 were still at
+    plain decoding after 1500 steps (so five seeds were too few to bound the share)."""
     for best in (1, 3, 6):
         speedup = peaked(best)
         top = speedup(*brute_force(Ladder(8), speedup))
         ends, late = [], []
-        for seed in range(best, best + 5):
+        for seed in range(best, best + 20):
             ladder = Ladder(8)
             played = closed_loop(ladder, speedup, 1500, seed=seed)
             ends.append(speedup(ladder.current.cap, ladder.current.model) / top)
             late += played[-500:]
-        # The climb ends at the best arm or at one it cannot tell from it.
-        assert min(ends) >= 0.95, ends
+        # The climb ends at the best arm or at one it cannot tell from it, but for a few.
+        assert sum(e < 0.95 for e in ends) <= 2 and sum(ends) / len(ends) >= 0.98, ends
         # Trying the neighbours costs little: those that keep losing are tried less and less
         # often, those within the margin are nearly as fast.
         assert achieved(late, speedup) >= TOLERANCE * top, Counter(late)
@@ -88,6 +92,38 @@ def test_stays_plain_when_no_arm_pays():
     assert ladder.at == PLAIN
     # The others are still tried now and then (less and less often): a few steps in 100.
     assert achieved(played[-1000:], slower) >= 1 - 0.01
+
+
+def test_a_judged_loser_waits_its_new_wait_from_its_judgement():
+    """Every drafting arm runs 0.8x plain decoding. Each judgement that an arm is slower
+    raises its wait, and its next try comes that wait after the judgement (half of it at
+    least, past ALIGN: long waits end on a multiple of themselves). Before, the wait set when
+    the try began stood: an arm given 64 steps was tried 24 steps later."""
+    ladder, judged, tries = Ladder(8), [], []
+    slower = lambda cap, model: 0.8 if cap else 1.0  # noqa: E731
+    judge = ladder._judge
+
+    def recording(i: int) -> None:
+        before = ladder.arms[i].wait
+        judge(i)
+        if ladder.arms[i].wait > before:  # judged slower (or a tie) now
+            judged.append((ladder.steps, i, ladder.arms[i].wait))
+
+    ladder._judge = recording
+    rng = random.Random(0)
+    for _ in range(3000):
+        i = ladder.pick()
+        tries.append((ladder.steps, i))
+        ladder.observe(i, ROUNDS, ROUNDS * slower(ladder.arms[i].cap, False)
+                       * rng.uniform(0.9, 1.1), 1.0)
+    assert ladder.at == PLAIN
+    checked = 0
+    for step, i, wait in judged:
+        later = [s for s, j in tries if j == i and s > step]
+        if later:
+            assert later[0] - step >= (wait // 2 if wait >= ALIGN else wait), (step, i, wait)
+            checked += wait >= 16
+    assert checked >= 10, judged
 
 
 def test_follows_the_machine_when_the_best_arm_moves():
@@ -455,19 +491,21 @@ def test_two_step_tries_are_not_fooled_by_the_switch():
     """Every drafting arm runs 0.96x plain decoding, but its first step after plain ones
     commits 10% more, and plain decoding's first step after drafting runs 8% slower (as
     scripts/bench_switch.py measured at batch 16). Tries of one step, each such a first step,
-    move the ladder to a drafting arm and keep it there (plain's tries look slower than the
-    arm); tries of two steps, scored on the second, keep plain decoding, in every seed."""
+    move the ladder to a drafting arm and often keep it there (plain's tries look slower
+    than the arm: 19 to 25 seeds of 40 ended at a drafting arm); tries of two steps, scored
+    on the second, keep plain decoding, in every seed."""
     drafting = lambda cap, model: 0.96 if cap else 1.0  # noqa: E731
-    fooled = 0
     for seed in range(5):
         ladder = Ladder(8, try_steps=2)
         played = switching_loop(ladder, drafting, 3000, seed, penalty=0.08, optimism=0.10)
         assert ladder.at == PLAIN, (seed, Counter(played[-500:]))
         assert achieved(played[-1500:], drafting) >= 0.99, Counter(played[-1500:])
+    fooled = 0
+    for seed in range(20):  # the one-step ladder on the same machine
         one = Ladder(8)
         switching_loop(one, drafting, 3000, seed, penalty=0.08, optimism=0.10)
         fooled += one.at != PLAIN
-    assert fooled >= 3, fooled  # the one-step ladder on the same machine: mostly fooled
+    assert fooled >= 6, fooled
 
 
 def test_two_step_tries_still_climb_and_stay_within_budget():

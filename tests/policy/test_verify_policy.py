@@ -258,6 +258,35 @@ def test_a_new_ladder_starts_where_the_nearest_larger_batch_s_stands():
     assert one.top == LIMIT and {0, LIMIT} <= tried, tried
 
 
+def test_plain_every_times_plain_decoding_for_a_current_model_arm_only():
+    """PLAIN_EVERY plays a step plain while a model arm is the ladder's current arm (the
+    model prices drafting against plain steps). A try of a model arm from a fixed one is the
+    model's step: every drafting step counts towards PLAIN_EVERY, so before, once the fixed
+    arm had drafted that long, every such try was played plain and measured nothing."""
+    policy = VerifyPolicy("adaptive", CostCurve([1, 1024], [1.0, 1.0 + 1023 * 0.05]),
+                          CostCurve([1, 8], [0.2, 0.3]), LIMIT)
+    n = 4
+    keys, classes, limits = list(range(n)), ["greedy"] * n, [LIMIT] * n
+    policy.plan(keys, classes, limits, n)
+    ladder = policy.ladders["greedy, batch 3-4"]
+    fixed, model = (next(j for j, a in enumerate(ladder.arms) if (a.cap, a.model) == (4, m))
+                    for m in (False, True))
+    ladder._move(fixed)
+    plays = iter([fixed] * (2 * PLAIN_EVERY) + [model])
+    ladder.pick = lambda predict=None: next(plays)
+    for _ in range(2 * PLAIN_EVERY):
+        assert policy.plan(keys, classes, limits, n) == [4] * n  # no plain step in a fixed arm
+    lengths = policy.plan(keys, classes, limits, n)  # the try of the model arm
+    assert sum(lengths) > 0 and policy._played.arm == model
+    ladder._move(model)  # the model's arm now the current one: plain once in PLAIN_EVERY
+    ladder.pick = lambda predict=None: model
+    played = []
+    for _ in range(2 * PLAIN_EVERY):
+        policy.plan(keys, classes, limits, n)
+        played.append(policy._played.arm)
+    assert 1 <= played.count(0) <= 2 and played.count(model) >= 2 * PLAIN_EVERY - 2
+
+
 @pytest.mark.parametrize("verified", [0, 1, 3, 8])
 @pytest.mark.parametrize("known", [0, 2, 5, 8])
 def test_round_score_averages_to_the_tokens_committed_and_scatters_less(verified, known):
