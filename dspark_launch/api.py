@@ -96,8 +96,8 @@ class LLM:
         """Run every prompt to the end; outputs in input order, the same on every rank."""
         token_lists, texts = self._prompts(prompts)
         params = self._params(sampling_params, len(token_lists))
-        for i, ids in enumerate(token_lists):
-            if (why := self.engine.refusal(ids)) is not None:
+        for i, (ids, p) in enumerate(zip(token_lists, params)):
+            if (why := self.engine.refusal(ids, p)) is not None:
                 raise ValueError(f"prompt {i}: {why}")
         processor = OutputProcessor(self.tokenizer, self.engine.abort)
         order: dict[str, int] = {}

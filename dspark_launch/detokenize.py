@@ -11,7 +11,8 @@ minus `decode(ids[prefix:read])`, without a trailing U+FFFD run (an unfinished c
 `tokenizer.decode(all ids)`.
 
 StopStrings: generation ends at the first token after which a stop string is in the text; the
-text is cut where the earliest-starting stop string present then starts, and is never emitted.
+text is cut where the earliest-starting stop string present then starts, and is never emitted
+(with vLLM's include_stop_str_in_output: cut where it ends).
 While streaming, the last `len(longest stop) - 1` characters are held back, since they may be
 the start of a stop string that the next token completes.
 """
@@ -73,6 +74,7 @@ class StopStrings:
     """Cuts a text stream at the first stop string; holds back a possible partial match."""
 
     stops: tuple[str, ...]
+    include: bool = False  # the stop string is part of the text (include_stop_str_in_output)
     text: str = ""  # everything received
     sent: int = 0  # characters of `text` already released
     matched: str | None = None  # the stop string that ended the stream
@@ -96,7 +98,7 @@ class StopStrings:
                 cut, which = at, stop
         if which is not None:
             self.matched = which
-            end = cut
+            end = cut + len(which) if self.include else cut
         else:
             end = len(self.text) if final else max(self.sent, len(self.text) - self.hold)
         out = self.text[self.sent:end]
@@ -114,9 +116,9 @@ class TextStream:
     """One request's text: detokenize token by token, then cut at stop strings."""
 
     def __init__(self, tokenizer, stops: tuple[str, ...] = (), skip_special_tokens: bool = True,
-                 min_tokens: int = 0) -> None:
+                 min_tokens: int = 0, include_stop: bool = False) -> None:
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
-        self.stops = StopStrings(tuple(stops))
+        self.stops = StopStrings(tuple(stops), include_stop)
         self.min_tokens = min_tokens
 
     @property

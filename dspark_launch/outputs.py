@@ -3,8 +3,11 @@
 The engine stops on tokens only (EOS, stop_token_ids, max_tokens); this layer detokenizes each
 request's tokens one by one (detokenize.TextStream) and, when a stop string appears, cuts the
 text where it starts, ends the request with finish_reason "stop" and asks the engine to abort
-it (which frees its KV pages at the next step). It is deterministic in the engine's outputs, so
-every rank that runs it on the same outputs gets the same results (LLM.generate relies on that).
+it (which frees its KV pages at the next step). The token that stopped a request (EOS or one of
+its stop_token_ids) stays in its token ids but not in its text, as in vLLM; with
+include_stop_str_in_output both the stop string and that token's text stay. It is
+deterministic in the engine's outputs, so every rank that runs it on the same outputs gets the
+same results (LLM.generate relies on that).
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ class OutputProcessor:
 
     def add(self, rid: str, prompt_ids, params: SamplingParams) -> None:
         stream = TextStream(self.tokenizer, params.stop, params.skip_special_tokens,
-                            params.min_tokens)
+                            params.min_tokens, params.include_stop_str_in_output)
         self._tracked[rid] = _Tracked(list(prompt_ids), params, stream)
 
     def forget(self, rid: str) -> None:
@@ -97,9 +100,14 @@ class OutputProcessor:
     def _advance(self, req: _Tracked, out) -> CompletionDelta:
         text, new_ids = "", []
         req.accept_lens = list(out.accept_lens)
-        for tok in out.new_token_ids:
+        # The engine's "stop" is the last token it commits (EOS or a stop token id)
+        silent = out.finished and out.finish_reason == "stop" \
+            and not req.params.include_stop_str_in_output
+        for k, tok in enumerate(out.new_token_ids):
             req.token_ids.append(tok)
             new_ids.append(tok)
+            if silent and k == len(out.new_token_ids) - 1:
+                break  # the stop token: no text of its own
             step = req.stream.push(tok)
             text += step.text
             if step.stopped is not None:

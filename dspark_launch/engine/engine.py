@@ -34,6 +34,7 @@ from dspark_launch.engine.divergence import (
 )
 from dspark_launch.engine.exchange import IDLE_WAIT_S, Flags, Inbox, exchange, token_counts
 from dspark_launch.engine.heap import thaw_heap
+from dspark_launch.engine.params import SamplingParams, refusal
 from dspark_launch.engine.placement import CacheAwarePlacer
 from dspark_launch.engine.request import (
     Request,
@@ -122,21 +123,17 @@ class Engine:
     def context_limit(self) -> int:
         return self.limits.context_limit
 
-    def refusal(self, prompt_ids) -> str | None:
-        """Why a prompt cannot run here (None: it can)."""
-        if not prompt_ids:
-            return "empty prompt"
-        if len(prompt_ids) >= self.context_limit:
-            return (f"prompt of {len(prompt_ids)} tokens does not fit the context limit of "
-                    f"{self.context_limit} tokens (prompt + at least one new token)")
-        return None
+    def refusal(self, prompt_ids, params: SamplingParams | None = None) -> str | None:
+        """Why a request cannot run here (None: it can): engine/params.py refusal."""
+        return refusal(prompt_ids, params, self.context_limit, self.target.config.vocab_size)
 
     def add_request(self, spec: RequestSpec) -> None:
         """Queue a request (rank 0 only; a no-op on other ranks). Thread-safe. It joins the
         engine at the next step(); a prompt that cannot run finishes there as "refused"."""
         if get_parallel().rank != 0:
             return
-        if spec.refused is None and (why := self.refusal(spec.prompt_ids)) is not None:
+        if spec.refused is None and \
+                (why := self.refusal(spec.prompt_ids, spec.params)) is not None:
             spec = replace(spec, refused=why)
         self.inbox.put(("add", spec, time.time()))
 

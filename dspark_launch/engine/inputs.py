@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dspark_launch.engine.params import SamplingParams
+from dspark_launch.engine.params import SamplingParams, outside_vocab, refusal
 from dspark_launch.engine.request import RequestSpec
 from dspark_launch.errors import ConfigError
 
@@ -87,8 +87,7 @@ def build_specs(
             if not isinstance(ids, list) or not all(
                     isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise ConfigError(f"{where}: input_ids must be a list of integers")
-            bad = [t for t in ids if not 0 <= t < vocab_size]
-            if bad:
+            if bad := outside_vocab(ids, vocab_size):
                 raise ConfigError(
                     f"{where}: input_ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
         else:
@@ -98,15 +97,9 @@ def build_specs(
                 raise ConfigError(f"{where}: a text prompt needs the checkpoint's "
                                   f"tokenizer.json (or give input_ids)")
             ids = tokenizer.encode(text).ids if text else []
-        refused = None
-        if not ids:
-            refused = "empty prompt"
-        elif len(ids) >= context_limit:
-            refused = (f"prompt of {len(ids)} tokens does not fit the context limit of "
-                       f"{context_limit} tokens (prompt + at least one new token)")
+        params = SamplingParams(max_tokens=mnt, temperature=temp, top_k=top_k, top_p=top_p,
+                                seed=seed)
         specs.append(RequestSpec(
-            index=index, rid=str(row.get("id", index)), prompt_ids=tuple(ids),
-            params=SamplingParams(max_tokens=mnt, temperature=temp, top_k=top_k, top_p=top_p,
-                                  seed=seed),
-            prompt_text=text, refused=refused))
+            index=index, rid=str(row.get("id", index)), prompt_ids=tuple(ids), params=params,
+            prompt_text=text, refused=refusal(ids, params, context_limit, vocab_size)))
     return specs

@@ -34,6 +34,8 @@ class SamplingParams:
     min_tokens: int = 0
     n: int = 1
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # the text keeps what stopped it (stop string,
+    # EOS or stop token): vLLM's field
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -83,6 +85,29 @@ class SamplingParams:
         changes = {k: v for k, v in defaults.items()
                    if k in names and getattr(self, k) == getattr(SamplingParams, k, None)}
         return replace(self, **changes) if changes else self
+
+
+def outside_vocab(ids, vocab_size: int) -> list[int]:
+    """The ids among `ids` that are no token of a vocabulary of `vocab_size`."""
+    return [t for t in ids if not 0 <= t < vocab_size]
+
+
+def refusal(prompt_ids, params: SamplingParams | None, context_limit: int,
+            vocab_size: int) -> str | None:
+    """Why a request cannot run (None: it can): what SamplingParams cannot check alone,
+    the model's vocabulary and context. Token ids outside the vocabulary would index past
+    the embedding or the logits (a min_tokens ban on stop_token_ids [5000] of a 2048-token
+    vocabulary ended a server's step with an IndexError)."""
+    if not prompt_ids:
+        return "empty prompt"
+    if bad := outside_vocab(prompt_ids, vocab_size):
+        return f"prompt token ids {bad[:5]} outside the vocabulary [0, {vocab_size})"
+    if len(prompt_ids) >= context_limit:
+        return (f"prompt of {len(prompt_ids)} tokens does not fit the context limit of "
+                f"{context_limit} tokens (prompt + at least one new token)")
+    if params is not None and (bad := outside_vocab(params.stop_token_ids, vocab_size)):
+        return f"stop_token_ids {bad[:5]} outside the vocabulary [0, {vocab_size})"
+    return None
 
 
 def _finite(x) -> bool:

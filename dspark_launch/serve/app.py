@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from dspark_launch.log import logger
 from dspark_launch.outputs import CompletionDelta, CompletionOutput
 from dspark_launch.serve import protocol as p
 from dspark_launch.serve.bridge import RequestBridge
@@ -57,7 +58,7 @@ async def parse(request: Request, kind: type[BaseModel]) -> BaseModel:
     raw = await request.body()
     try:
         obj = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as err:
+    except (ValueError, UnicodeDecodeError, RecursionError) as err:
         raise bad_request(f"the request body is not valid JSON ({err})") from None
     if not isinstance(obj, dict):
         raise bad_request(f"the request body must be a JSON object, not {type(obj).__name__}")
@@ -220,6 +221,15 @@ def build_app(info: ModelInfo, bridge: RequestBridge, metrics: ServerMetrics,
         return APIError(404, f"no route {request.method} {request.url.path}",
                         code="not_found").response()
 
+    @app.exception_handler(Exception)
+    async def internal(_: Request, err: Exception) -> JSONResponse:
+        # A bug of this server's, not the client's: still an OpenAI error body (the
+        # traceback goes to the log), not a plain-text 500.
+        logger.exception("internal error answering a request")
+        metrics.refused(500)
+        return APIError(500, f"internal server error: {type(err).__name__}: {err}",
+                        type="server_error", code="internal_error").response()
+
     @app.exception_handler(405)
     async def bad_method(request: Request, _) -> JSONResponse:
         return APIError(405, f"{request.method} is not allowed on {request.url.path}",
@@ -232,6 +242,12 @@ def build_app(info: ModelInfo, bridge: RequestBridge, metrics: ServerMetrics,
     async def models() -> JSONResponse:
         card = p.ModelCard(id=info.name, created=created, max_model_len=info.context_limit)
         return JSONResponse(p.ModelList(data=[card]).model_dump())
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> JSONResponse:
+        check_model(name, info)
+        card = p.ModelCard(id=info.name, created=created, max_model_len=info.context_limit)
+        return JSONResponse(card.model_dump())
 
     @app.get("/health")
     async def health_check() -> Response:

@@ -75,17 +75,38 @@ class ChatTemplate:
     def _compiled(self) -> jinja2.Template:
         return _environment().from_string(self.source)
 
+    @cached_property
+    def takes_parts(self) -> bool:
+        """The template loops over a message's content: it reads OpenAI's list of parts, so
+        a client's parts reach it as sent. Otherwise (most text-only templates) it reads a
+        string, and the server joins the parts' text (serve/requests.py: message): the rule
+        vLLM and SGLang apply. Sent a list, a string template fails (Qwen2.5's
+        `'...' + message['content']`) or renders nothing for it (Qwen3's)."""
+        def reads_content(expr: jinja2.nodes.Node) -> bool:  # expr or a part of it
+            return any(isinstance(n, jinja2.nodes.Getattr) and n.attr == "content"
+                       or isinstance(n, jinja2.nodes.Getitem)
+                       and isinstance(n.arg, jinja2.nodes.Const) and n.arg.value == "content"
+                       for n in (expr, *expr.find_all(jinja2.nodes.Node)))
+
+        tree = _environment().parse(self.source)
+        return any(reads_content(loop.iter) for loop in tree.find_all(jinja2.nodes.For))
+
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
                **kwargs) -> str:
-        variables = {**self.special_tokens, **kwargs}  # kwargs win, as in transformers
+        """`kwargs` (a request's chat_template_kwargs) win over the special tokens,
+        `tools` and `documents`, as vLLM's do (serve/requests.py lets them set
+        add_generation_prompt too)."""
+        variables = {**self.special_tokens, "tools": None, "documents": None,
+                     "add_generation_prompt": add_generation_prompt, **kwargs}
         try:
-            return self._compiled.render(messages=messages, tools=None, documents=None,
-                                         add_generation_prompt=add_generation_prompt,
-                                         **variables)
+            return self._compiled.render(messages=messages, **variables)
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as err:
             raise ChatTemplateError(f"the chat template failed: {err}") from None
+        except Exception as err:  # the template's own TypeError, KeyError, ... on this input
+            raise ChatTemplateError(f"the chat template failed on these messages: "
+                                    f"{type(err).__name__}: {err}") from None
 
     @classmethod
     def from_checkpoint(cls, model_dir: str | Path) -> ChatTemplate | None:

@@ -40,11 +40,21 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     min_tokens: StrictInt = 0
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: Any = None  # refused when set (not supported); typed loosely to name it
     presence_penalty: Number = 0.0
     frequency_penalty: Number = 0.0
+    # Not supported: refused by name unless off (serve/requests.py UNSUPPORTED); typed
+    # loosely so that any value gets that answer
+    logprobs: Any = None
+    top_logprobs: Any = None
+    logit_bias: Any = None
+    best_of: Any = None
+    suffix: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
 
 
 class CompletionRequest(SamplingFields):
@@ -59,6 +69,9 @@ class ContentPart(_Request):
 
 
 class ChatMessage(_Request):
+    # Fields a template may read beyond these (tool_calls, tool_call_id, ...) pass through.
+    model_config = ConfigDict(extra="allow", strict=True)
+
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None

@@ -5,12 +5,18 @@ Every check names the field it refuses; nothing here touches the engine.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
-from dspark_launch.engine.params import ParamError, SamplingParams
+from dspark_launch.engine.params import ParamError, SamplingParams, outside_vocab
 from dspark_launch.serve.chat import ChatTemplate, ChatTemplateError
 from dspark_launch.serve.errors import APIError, bad_request, model_not_found
-from dspark_launch.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from dspark_launch.serve.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
+)
 
 
 @dataclass(frozen=True)
@@ -26,28 +32,52 @@ class ModelInfo:
     model_dir: str
 
 
+# Fields this server does not implement, and the values that leave them off. Set otherwise,
+# a request is refused naming the field: ignored, its answer would not be what was asked for
+# (a logit_bias, a JSON response_format, tool calls).
+UNSUPPORTED = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
+    "best_of": (None, 1), "suffix": (None, ""), "response_format": (None, {"type": "text"}),
+    "tools": (None, []), "tool_choice": (None, "none", "auto"),
+}
+
+
+def _off(value, offs: tuple) -> bool:
+    # type and value: logprobs 0 (the sampled token's logprob) is not logprobs False
+    return any(type(value) is type(off) and value == off for off in offs)
+
+
 def sampling_params(req: SamplingFields, info: ModelInfo, max_tokens: int | None
                     ) -> SamplingParams:
     """The client's fields over the checkpoint's defaults; unset fields take the defaults."""
-    if req.logprobs not in (None, False):
-        raise bad_request(f"logprobs={req.logprobs!r}: log probabilities are not supported",
-                          "logprobs")
+    for name, offs in UNSUPPORTED.items():
+        if not _off(getattr(req, name), offs):
+            shown = " or ".join(json.dumps(off) for off in offs[1:])
+            raise bad_request(f"{name}={getattr(req, name)!r}: not supported by this server "
+                              f"(leave it out or send {shown})", name)
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed with stream=true", "stream_options")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
             raise bad_request(f"{name}={getattr(req, name)}: penalties are not supported "
                               f"(use 0)", name)
     fields = dict(info.defaults)
     for name in ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n",
-                 "ignore_eos", "min_tokens", "skip_special_tokens"):
+                 "ignore_eos", "min_tokens", "skip_special_tokens",
+                 "include_stop_str_in_output"):
         if name in req.model_fields_set and getattr(req, name) is not None:
             fields[name] = getattr(req, name)
     if max_tokens is not None:
         fields["max_tokens"] = max_tokens
     fields.setdefault("max_tokens", 16)  # OpenAI's default for completions
     try:
-        return SamplingParams(**fields)
+        params = SamplingParams(**fields)
     except ParamError as err:
         raise bad_request(str(err), err.param) from None
+    if bad := outside_vocab(params.stop_token_ids, info.vocab_size):
+        raise bad_request(f"stop_token_ids holds token ids {bad[:5]} outside the vocabulary "
+                          f"[0, {info.vocab_size})", "stop_token_ids")
+    return params
 
 
 def check_model(name: str | None, info: ModelInfo) -> None:
@@ -58,8 +88,7 @@ def check_model(name: str | None, info: ModelInfo) -> None:
 def _check_ids(ids: list[int], info: ModelInfo, param: str) -> list[int]:
     if not ids:
         raise bad_request(f"{param} is empty; give at least one token", param)
-    bad = [t for t in ids if not 0 <= t < info.vocab_size]
-    if bad:
+    if bad := outside_vocab(ids, info.vocab_size):
         raise bad_request(f"{param} holds token ids {bad[:5]} outside the vocabulary "
                           f"[0, {info.vocab_size})", param)
     if len(ids) >= info.context_limit:
@@ -91,6 +120,16 @@ def completion_prompts(req: CompletionRequest, info: ModelInfo
     return out
 
 
+def message(m: ChatMessage, parts: bool) -> dict:
+    """A chat message as its template reads it: the fields the client sent (a null content
+    stays None, and extras such as tool_calls pass through), and text parts as a list where
+    the template takes `parts` (ChatTemplate.takes_parts), else joined with newlines."""
+    out = m.model_dump(exclude_unset=True)
+    if isinstance(m.content, list) and not parts:
+        out["content"] = "\n".join(part.text for part in m.content)
+    return out
+
+
 def chat_prompt(req: ChatCompletionRequest, info: ModelInfo) -> tuple[list[int], str]:
     if info.chat_template is None:
         raise APIError(400, f"the model {info.name!r} has no chat_template (neither "
@@ -98,10 +137,15 @@ def chat_prompt(req: ChatCompletionRequest, info: ModelInfo) -> tuple[list[int],
                        f"{info.model_dir}/tokenizer_config.json); use /v1/completions or "
                        f"serve a checkpoint with a chat template", "messages",
                        code="chat_template_missing")
-    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    kwargs = dict(req.chat_template_kwargs or {})
+    if "messages" in kwargs:
+        raise bad_request("chat_template_kwargs may not set 'messages'; send them as messages",
+                          "chat_template_kwargs")
+    generation = kwargs.pop("add_generation_prompt", req.add_generation_prompt)
     try:
-        text = info.chat_template.render(messages, req.add_generation_prompt,
-                                         **(req.chat_template_kwargs or {}))
+        parts = info.chat_template.takes_parts
+        text = info.chat_template.render([message(m, parts) for m in req.messages],
+                                         generation, **kwargs)
     except ChatTemplateError as err:
         raise bad_request(str(err), "messages") from None
     ids = info.tokenizer.encode(text, add_special_tokens=False).ids

@@ -93,6 +93,74 @@ def test_per_request_sampling_params_give_what_each_gets_alone():
     assert len({t for t, *_ in r["batch"][1:4]}) == 3
 
 
+def _stops_and_edges(rank: int) -> dict:
+    from dspark_launch import LLM, SamplingParams
+
+    prompt = heldout()[0]
+    out: dict = {}
+    with LLM(kv_cache_memory="64MiB", device="cpu", speculative_policy="fixed") as llm:
+        greedy = SamplingParams(max_tokens=20, temperature=0)
+        plain = llm.generate(prompt, greedy)[0]
+        ids = plain.token_ids
+        k = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])  # first new token
+        decode = llm.tokenizer.decode
+        out["plain"], out["k"] = ids, k
+        out["decode"] = [decode(ids[:k]), decode(ids[:k + 1])]
+        stop = plain.text[len(plain.text) // 2:len(plain.text) // 2 + 4]
+        out["stop"], out["plain_text"] = stop, plain.text
+        views = {}
+        for name, sp in {
+            "stop_token": SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[ids[k]]),
+            "stop_token_kept": SamplingParams(max_tokens=20, temperature=0,
+                                              stop_token_ids=[ids[k]],
+                                              include_stop_str_in_output=True),
+            "stop_string_kept": SamplingParams(max_tokens=20, temperature=0, stop=[stop],
+                                               include_stop_str_in_output=True),
+            "top_k_off": SamplingParams(max_tokens=12, temperature=1.0, seed=7),
+            "top_k_huge": SamplingParams(max_tokens=12, temperature=1.0, seed=7, top_k=2**63),
+            "top_p_tiny": SamplingParams(max_tokens=20, temperature=1.0, seed=7, top_p=1e-50),
+        }.items():
+            o = llm.generate(prompt, sp)[0]
+            views[name] = (o.text, o.token_ids, o.finish_reason, o.stop_reason)
+        out["views"] = views
+        vocab = llm.engine.target.config.vocab_size
+        out["refused"] = []
+        for bad in ([prompt], [[vocab + 1, 5]]):
+            sp = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[vocab + 5]) \
+                if bad == [prompt] else greedy
+            try:
+                llm.generate(bad[0], sp)
+                out["refused"].append(None)
+            except ValueError as err:
+                out["refused"].append(str(err))
+        out["after"] = llm.generate(prompt, greedy)[0].token_ids  # nothing lost
+        out["vocab"] = vocab
+    return out
+
+
+def test_stop_tokens_extreme_sampling_values_and_bad_ids():
+    """The token that stopped a request is in its token ids, not in its text (vLLM's rule),
+    unless include_stop_str_in_output, which keeps a stop string too; a top_k past the
+    vocabulary is no top_k (it overflowed the step's int64 upload before), a top_p float32
+    reads as 0 keeps the top token (greedy's); token ids outside the vocabulary in a prompt
+    or in stop_token_ids (indexed by min_tokens' ban: an IndexError in the step) are refused
+    before anything runs, and the engine goes on."""
+    r = run_world(1, _stops_and_edges, timeout=300)[0]
+    ids, k, v = r["plain"], r["k"], r["views"]
+    assert v["stop_token"] == (r["decode"][0], ids[:k + 1], "stop", ids[k])
+    assert v["stop_token_kept"] == (r["decode"][1], ids[:k + 1], "stop", ids[k])
+    text, _, reason, stop_reason = v["stop_string_kept"]
+    cut = r["plain_text"].find(r["stop"]) + len(r["stop"])
+    assert (text, reason, stop_reason) == (r["plain_text"][:cut], "stop", r["stop"])
+    assert v["top_k_huge"] == v["top_k_off"]
+    assert v["top_p_tiny"][1] == ids
+    vocab = r["vocab"]
+    assert r["refused"] == [
+        f"prompt 0: stop_token_ids [{vocab + 5}] outside the vocabulary [0, {vocab})",
+        f"prompt 0: prompt token ids [{vocab + 1}] outside the vocabulary [0, {vocab})"]
+    assert r["after"] == ids
+
+
 def test_world_of_one_without_torchrun_uses_the_embedded_model_and_its_defaults(offline):
     """LLM() with no model and no sampling params: the embedded family and
     generation_config.json (greedy, max_new_tokens 128)."""

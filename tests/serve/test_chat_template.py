@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from chat_assets import EMBEDDED, with_template
+from chat_assets import EMBEDDED, TEMPLATE, with_template
 
 from dspark_launch.serve.chat import ChatTemplate, ChatTemplateError
 
@@ -46,8 +46,78 @@ def test_template_exceptions_name_the_problem(checkpoint):
 
 
 def test_named_template_list_uses_default(tmp_path):
-    from chat_assets import TEMPLATE
-
     path = with_template(tmp_path / "t", template=[{"name": "tool_use", "template": "x"},
                                                    {"name": "default", "template": TEMPLATE}])
     assert ChatTemplate.from_checkpoint(path).source == TEMPLATE
+
+
+# Qwen2.5's way: the content is concatenated, so it must be a string.
+STRING_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# A template that loops over OpenAI's content parts.
+PARTS_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}[{{ part['text'] }}]{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+PARTS = [{"type": "text", "text": "part one,"}, {"type": "text", "text": "part two"}]
+
+
+def _served(path):
+    from tokenizers import Tokenizer
+
+    from dspark_launch.serve.requests import ModelInfo
+
+    return ModelInfo(name="tiny", tokenizer=Tokenizer.from_file(str(path / "tokenizer.json")),
+                     vocab_size=2048, context_limit=2048, defaults={},
+                     chat_template=ChatTemplate.from_checkpoint(path), model_dir=str(path))
+
+
+@pytest.mark.parametrize("template,sent_as", [(STRING_TEMPLATE, "joined"),
+                                              (PARTS_TEMPLATE, "parts"),
+                                              (TEMPLATE, "joined")])
+def test_content_parts_reach_a_template_as_it_reads_them(tmp_path, template, sent_as):
+    """A template that loops over a message's content gets the parts as sent; any other
+    (Qwen2.5's concatenation failed on a list with a 500) gets their text joined with
+    newlines (vLLM's and SGLang's rule); chat_template_kwargs win over the template's
+    variables, add_generation_prompt included. Oracle: transformers' apply_chat_template on
+    the messages so given."""
+    from transformers import AutoTokenizer
+
+    from dspark_launch.serve.protocol import ChatCompletionRequest
+    from dspark_launch.serve.requests import chat_prompt
+
+    path = with_template(tmp_path / "t", template=template)
+    hf = AutoTokenizer.from_pretrained(str(path))
+    content = "part one,\npart two" if sent_as == "joined" else PARTS
+    for kwargs in ({}, {"add_generation_prompt": False}):
+        req = ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "system", "content": "be brief"},
+                          {"role": "user", "content": PARTS}],
+             "chat_template_kwargs": kwargs})
+        _, text = chat_prompt(req, _served(path))
+        expected = hf.apply_chat_template(
+            [{"role": "system", "content": "be brief"}, {"role": "user", "content": content}],
+            tokenize=False, add_generation_prompt=kwargs.get("add_generation_prompt", True))
+        assert text == expected
+
+
+def test_a_template_failing_on_the_messages_and_a_kwarg_for_messages_are_400s(tmp_path):
+    from dspark_launch.serve.errors import APIError
+    from dspark_launch.serve.protocol import ChatCompletionRequest
+    from dspark_launch.serve.requests import chat_prompt
+
+    info = _served(with_template(tmp_path / "t", template=STRING_TEMPLATE))
+    null = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "assistant", "content": None}]})  # '...' + None: a TypeError
+    with pytest.raises(APIError) as err:
+        chat_prompt(null, info)
+    assert (err.value.status, err.value.param) == (400, "messages")
+    assert "TypeError" in err.value.message
+    twice = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": []}})
+    with pytest.raises(APIError) as err:
+        chat_prompt(twice, info)
+    assert (err.value.status, err.value.param) == (400, "chat_template_kwargs")

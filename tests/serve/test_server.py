@@ -174,6 +174,28 @@ def test_bad_requests_get_errors_and_the_server_keeps_answering(server, client, 
         client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
 
 
+def test_requests_that_once_ended_the_server_get_answers(client, offline):
+    """Each of these ended the server's step (so the server) before: a top_k past int64
+    (now every token, as no top_k), stop_token_ids outside the vocabulary with min_tokens (an
+    IndexError in the step; now a 400 naming the field); and a chat content given as text
+    parts is answered as its text is (a template that concatenates the content failed on
+    parts with a 500: test_chat_template.py)."""
+    prompt = heldout()[0]
+    huge = complete(client, prompt, extra_body={"top_k": 2**63})
+    assert huge.choices[0].text == offline[prompt]["text"]  # greedy: top_k changes nothing
+    with pytest.raises(openai.BadRequestError) as err:
+        complete(client, prompt, extra_body={"stop_token_ids": [5000], "min_tokens": 2})
+    assert err.value.body["param"] == "stop_token_ids"
+    parts = client.chat.completions.create(
+        model=NAME, temperature=0, max_tokens=MAX_TOKENS,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "def fib(n):"}]}])
+    plain = client.chat.completions.create(
+        model=NAME, temperature=0, max_tokens=MAX_TOKENS,
+        messages=[{"role": "user", "content": "def fib(n):"}])
+    assert parts.choices[0].message.content == plain.choices[0].message.content
+    assert complete(client, prompt).choices[0].text == offline[prompt]["text"]
+
+
 def test_an_aborted_stream_frees_its_pages(server):
     body = {"model": NAME, "prompt": heldout()[1], "max_tokens": 1500, "temperature": 0,
             "ignore_eos": True,

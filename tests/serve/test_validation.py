@@ -46,6 +46,25 @@ BAD = [
     ("/v1/completions", {"prompt": [5, 99999]}, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "a", "stop_token_ids": [2048]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "a", "stop_token_ids": [2**63]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 0}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "a", "suffix": "x"}, 400, "suffix"),
+    ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
+    ("/v1/completions", b"[" * 100000 + b"]" * 100000, 400, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tool_choice": "required"}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400,
      "messages.0.content"),
@@ -81,5 +100,28 @@ def test_models_and_health(client):
     assert client.get("/health").status_code == 200
     models = client.get("/v1/models").json()
     assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == CONTEXT
+    assert client.get("/v1/models/tiny").json() == models["data"][0]
+    r = client.get("/v1/models/gpt-4")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     r = client.get("/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+class _BrokenTokenizer:
+    """A tokenizer that fails: a fault in the server's own code, not in the request."""
+
+    def encode(self, text, add_special_tokens=False):
+        raise RuntimeError("tokenizer exploded")
+
+
+def test_a_server_fault_is_a_500_with_an_openai_error_body():
+    info = ModelInfo(name="tiny", tokenizer=_BrokenTokenizer(), vocab_size=2048,
+                     context_limit=CONTEXT, defaults={}, chat_template=None,
+                     model_dir=str(EMBEDDED))
+    app = build_app(info, RequestBridge(max_queued=4), ServerMetrics("tiny"), lambda: True)
+    r = TestClient(app, raise_server_exceptions=False).post("/v1/completions",
+                                                            json={"prompt": "a"})
+    assert r.status_code == 500
+    assert r.json()["error"] == {"message": "internal server error: RuntimeError: tokenizer "
+                                            "exploded", "type": "server_error", "param": None,
+                                 "code": "internal_error"}
