@@ -57,6 +57,8 @@ def default_sampling(engine) -> dict:
 
 
 class LLM:
+    alive = False  # an LLM of this process holds the engine (one per process)
+
     def __init__(self, model: str | None = None, draft: str | None = None, *,
                  tp_size: int | None = None, attn_dp_size: int = 1,
                  dist_timeout: float = 300.0, **engine_args) -> None:
@@ -70,6 +72,11 @@ class LLM:
             engine_args["kv_cache_memory"] = parse_bytes(engine_args["kv_cache_memory"],
                                                          "kv_cache_memory")
         self._owns_runtime = False
+        if LLM.alive:
+            # It would join the first's parallel state (its tp_size, attn_dp_size and device
+            # whatever these say) and break when the first shuts down.
+            raise RuntimeError("an LLM is already running in this process; shutdown() it "
+                               "first (one engine per process)")
         try:
             if not is_initialized():
                 world = tp_size or _world_size()
@@ -82,6 +89,7 @@ class LLM:
         except BaseException:
             self.shutdown()
             raise
+        LLM.alive = True
         self.tokenizer = self.engine.tokenizer
         self._indices = itertools.count()  # the same on every rank: generate is SPMD
 
@@ -94,6 +102,8 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  ) -> list[CompletionOutput]:
         """Run every prompt to the end; outputs in input order, the same on every rank."""
+        if self.engine is None:
+            raise RuntimeError("generate() after shutdown(): build a new LLM")
         token_lists, texts = self._prompts(prompts)
         params = self._params(sampling_params, len(token_lists))
         for i, (ids, p) in enumerate(zip(token_lists, params)):
@@ -126,7 +136,8 @@ class LLM:
                 if self.tokenizer is None:
                     raise ValueError(f"prompt {i} is text but the checkpoint has no "
                                      f"tokenizer.json; pass token ids")
-                ids.append(self.tokenizer.encode(p, add_special_tokens=False).ids)
+                ids.append(self.tokenizer.encode(p).ids)  # with a BOS where it adds one,
+                # as the CLI job and the server's completions
                 texts.append(p)
             elif all(isinstance(t, int) and not isinstance(t, bool) for t in p):
                 ids.append(list(p))
@@ -156,6 +167,7 @@ class LLM:
         if engine is not None:
             engine.shutdown()
             self.engine = None
+            LLM.alive = False
         if self._owns_runtime:
             self._owns_runtime = False
             destroy_parallel_runtime()

@@ -11,8 +11,9 @@ import re
 import sys
 from dataclasses import dataclass, field
 
+from dspark_launch.engine.build import COUNTS
 from dspark_launch.engine.gemm_choice import MODES as GEMM_MODES
-from dspark_launch.errors import ConfigError
+from dspark_launch.errors import ConfigError, require_positive
 from dspark_launch.parallel import launch_world_size, validate_layout
 from dspark_launch.spec.policy import POLICIES
 
@@ -230,14 +231,6 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="the model name clients send (default: --model, or dspark-tiny)")
 
 
-def _positive(name: str, value: float | int | None, allow_zero: bool = False) -> None:
-    if value is None:
-        return
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else ">= 1"
-        raise ConfigError(f"{name}={value} must be {bound}")
-
-
 def resolve_attn_dp(ns: argparse.Namespace) -> tuple[int, tuple[str, ...]]:
     """Map both spellings of DP attention to attn_dp_size; refuse them together."""
     legacy = ns.dp_size is not None or ns.enable_dp_attention
@@ -280,19 +273,14 @@ def resolve_config(argv: list[str] | None = None, world_size: int | None = None)
         validate_layout(tp_size=tp_size, attn_dp_size=attn_dp_size)  # any size: nothing launches
     else:
         validate_layout(tp_size=tp_size, attn_dp_size=attn_dp_size, world_size=world)
-    _positive("--page-size", ns.page_size)
-    _positive("--max-running-requests", ns.max_running_requests)
-    _positive("--chunked-prefill-size", ns.chunked_prefill_size)
-    _positive("--max-new-tokens", ns.max_new_tokens)
-    _positive("--max-total-tokens", ns.max_total_tokens)
-    _positive("--block-size", ns.block_size)
-    _positive("--context-length", ns.context_length)
-    _positive("--ngram-max", ns.ngram_max)
-    _positive("--temperature", ns.temperature, allow_zero=True)
+    for name in COUNTS:  # EngineArgs checks them too, by field name (for LLM())
+        require_positive("--" + name.replace("_", "-"), getattr(ns, name))
+    require_positive("--max-new-tokens", ns.max_new_tokens)
+    require_positive("--temperature", ns.temperature, allow_zero=True)
     if ns.top_k == -1:  # vLLM/SGLang spelling of "off"
         ns.top_k = 0
-    _positive("--top-k", ns.top_k, allow_zero=True)
-    _positive("--dist-timeout", ns.dist_timeout)
+    require_positive("--top-k", ns.top_k, allow_zero=True)
+    require_positive("--dist-timeout", ns.dist_timeout)
     if not 0.0 < ns.top_p <= 1.0:
         raise ConfigError(f"--top-p={ns.top_p} must be in (0, 1]")
     if not 0.0 < ns.mem_fraction_static < 1.0:
@@ -372,5 +360,5 @@ def validate_server_flags(ns: argparse.Namespace) -> None:
             raise ConfigError(f"--{flag} does not apply to `serve` (requests come over HTTP)")
     if not 0 <= ns.port <= 65535:
         raise ConfigError(f"--port={ns.port} must be in [0, 65535]")
-    _positive("--max-queued-requests", ns.max_queued_requests)
-    _positive("--shutdown-grace", ns.shutdown_grace, allow_zero=True)
+    require_positive("--max-queued-requests", ns.max_queued_requests)
+    require_positive("--shutdown-grace", ns.shutdown_grace, allow_zero=True)

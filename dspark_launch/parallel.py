@@ -177,6 +177,9 @@ def init_distributed_environment(
     local_world_size = _env_int("LOCAL_WORLD_SIZE", 1)
     node_rank = _env_int("GROUP_RANK", 0)
     use_cuda = torch.cuda.is_available() if device_type == "auto" else device_type == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise ConfigError(f"--device={device_type}: this torch ({torch.__version__}) sees no "
+                          f"CUDA device; use --device cpu or auto")
     if use_cuda:
         device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
         torch.cuda.set_device(device)  # before init_process_group, so NCCL binds this GPU

@@ -17,7 +17,7 @@ from dspark_launch.engine.engine import Engine, EngineLimits
 from dspark_launch.engine.gemm_choice import choose_gemm
 from dspark_launch.engine.verify_policy import build_verify_policy
 from dspark_launch.engine.warmup import largest_batch_step
-from dspark_launch.errors import ConfigError
+from dspark_launch.errors import ConfigError, require_positive
 from dspark_launch.log import logger
 from dspark_launch.memory.budget import configure_memory, measure_free_bytes
 from dspark_launch.memory.build import build_kv_memory
@@ -30,6 +30,11 @@ from dspark_launch.parallel import get_parallel
 from dspark_launch.spec.factory import draft_kind_of, make_proposer
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "tiny"
+
+
+# EngineArgs' counts: each >= 1 where set (args.py checks the flags by these names too)
+COUNTS = ("page_size", "max_running_requests", "chunked_prefill_size", "max_total_tokens",
+          "block_size", "context_length", "ngram_max")
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,13 @@ class EngineArgs:
     disable_mixed_chunk: bool = False
     context_length: int | None = None
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        # LLM() builds these without the CLI's checks: chunked_prefill_size=0 scheduled
+        # nothing and ended every request at once, page_size=0 divided by zero
+        for name in COUNTS:
+            require_positive(name, getattr(self, name))
+
 
 
 @dataclass(frozen=True)
@@ -170,6 +182,10 @@ def build_engine(args: EngineArgs) -> Engine:
     plan = configure_memory(args, target_geometry(target), parts.geometry, device, free_before,
                             step, model_limit + round_rows)
     context_limit = min(model_limit, plan.max_total_tokens - round_rows + 1)
+    if model_limit < 2:
+        raise ConfigError(f"a context of {model_limit} tokens (--context-length, or the "
+                          f"model's max_position_embeddings) holds no prompt and a new token; "
+                          f"give 2 or more")
     if context_limit < 2:
         raise ConfigError(
             f"the KV pool holds {plan.max_total_tokens} tokens per rank, too few for one "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dspark_launch.engine.params import SamplingParams, outside_vocab, refusal
+from dspark_launch.engine.params import ParamError, SamplingParams, outside_vocab, refusal
 from dspark_launch.engine.request import RequestSpec
 from dspark_launch.errors import ConfigError
 
@@ -97,8 +97,11 @@ def build_specs(
                 raise ConfigError(f"{where}: a text prompt needs the checkpoint's "
                                   f"tokenizer.json (or give input_ids)")
             ids = tokenizer.encode(text).ids if text else []
-        params = SamplingParams(max_tokens=mnt, temperature=temp, top_k=top_k, top_p=top_p,
-                                seed=seed)
+        try:
+            params = SamplingParams(max_tokens=mnt, temperature=temp, top_k=top_k,
+                                    top_p=top_p, seed=seed)
+        except ParamError as err:
+            raise ConfigError(f"{where}: {err}") from None
         specs.append(RequestSpec(
             index=index, rid=str(row.get("id", index)), prompt_ids=tuple(ids), params=params,
             prompt_text=text, refused=refusal(ids, params, context_limit, vocab_size)))

@@ -50,18 +50,48 @@ def refused_record(spec: RequestSpec) -> dict:
     }
 
 
-def completed_indices(path: str) -> set[int]:
-    """Indices of requests already written to an output file (complete lines only)."""
-    done: set[int] = set()
+def read_records(path: str, specs: list[RequestSpec] | None = None) -> list[tuple[str, dict]]:
+    """The finished lines of an output file to resume, as (line, record): every line a JSON
+    object with an integer "index", but a torn last one (a crash mid-write: that request runs
+    again). Anything else is no output of this tool's, and resuming rewrites the file: its
+    lines were dropped as if torn (a notes file, or the --prompts file, given as --output
+    was replaced by one record). With `specs`, a record whose prompt is not the job's at its
+    index is another job's output, and refused too."""
     p = Path(path)
     if not p.exists():
-        return done
-    for line in p.read_text(encoding="utf-8").splitlines():
+        return []
+    fix = "pass --overwrite to replace it, or choose another --output"
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except (UnicodeDecodeError, IsADirectoryError) as err:
+        raise ConfigError(f"--output={path} cannot be resumed ({err}); {fix}") from None
+    prompts = {s.index: s for s in specs or []}
+    kept = []
+    for n, line in enumerate(lines, 1):
         try:
-            done.add(int(json.loads(line)["index"]))
-        except (ValueError, KeyError, TypeError):
-            continue  # a torn last line from a crash: that request runs again
-    return done
+            record = json.loads(line)
+        except ValueError:
+            if n == len(lines):
+                break  # torn by a crash: that request runs again
+            raise ConfigError(f"--output={path} line {n} is not JSON, so not an output of "
+                              f"this tool's; {fix}") from None
+        if not isinstance(record, dict) or type(record.get("index")) is not int:
+            raise ConfigError(f"--output={path} line {n} is no request record (a JSON object "
+                              f"with an integer \"index\"); {fix}")
+        spec = prompts.get(record["index"])
+        if spec is not None and not _ran(record, spec):
+            raise ConfigError(f"--output={path} line {n}: request {record['index']} there had "
+                              f"another prompt than this job's (--resume continues the job "
+                              f"that wrote the file, with its prompts); {fix}")
+        kept.append((line, record))
+    return kept
+
+
+def _ran(record: dict, spec: RequestSpec) -> bool:
+    """The record's prompt is spec's, as OutputWriter.add wrote it."""
+    if spec.prompt_text is not None:
+        return record.get("prompt") == spec.prompt_text
+    return record.get("input_ids") == list(spec.prompt_ids)
 
 
 class OutputWriter:
@@ -87,13 +117,12 @@ class OutputWriter:
         if p.parent and not p.parent.exists():
             raise ConfigError(f"--output={path}: folder {p.parent} does not exist")
         if resume and p.exists():
-            lines = [line for line in p.read_text(encoding="utf-8").splitlines()
-                     if _complete(line)]
-            self.records = [json.loads(line) for line in lines]
+            kept = read_records(path, specs)
+            self.records = [record for _, record in kept]
             self.resumed = len(self.records)
             # Drop a torn last line (a crash mid-write) so appends start on a line of their
             # own, without ever truncating the file in place.
-            replace_atomically(p, lines)
+            replace_atomically(p, [line for line, _ in kept])
             self._file = open(p, "a", encoding="utf-8")  # noqa: SIM115 - held across the run
         else:
             self._file = open(p, "w", encoding="utf-8")  # noqa: SIM115 - held across the run
@@ -151,14 +180,6 @@ def replace_atomically(path: Path, lines: list[str]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-
-
-def _complete(line: str) -> bool:
-    try:
-        json.loads(line)
-        return True
-    except ValueError:
-        return False
 
 
 def _percentile(values: list[float], q: float) -> float | None:

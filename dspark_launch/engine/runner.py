@@ -15,8 +15,8 @@ from dspark_launch.engine.heap import freeze_heap
 from dspark_launch.engine.inputs import BUILTIN_PROMPTS, build_specs, read_prompt_file
 from dspark_launch.engine.output import (
     OutputWriter,
-    completed_indices,
     format_summary,
+    read_records,
     refused_record,
     request_record,
     summarize,
@@ -63,7 +63,12 @@ def read_requests(job: JobArgs, tokenizer, context_limit: int, vocab_size: int
                 rows, source = read_prompt_file(str(BUILTIN_PROMPTS)), "built-in prompts"
             specs = build_specs(rows, tokenizer, job.max_new_tokens, job.temperature,
                                 context_limit, vocab_size, source, job.top_k, job.top_p)
-            skip = completed_indices(job.output) if job.resume and job.output else set()
+            if job.output and job.prompts and Path(job.output).exists() \
+                    and Path(job.output).samefile(job.prompts):
+                raise ConfigError(f"--output={job.output} is the --prompts file; choose "
+                                  f"another --output")
+            skip = {record["index"] for _, record in read_records(job.output, specs)} \
+                if job.resume and job.output else set()
             payload = (specs, skip)
         except ConfigError as err:
             payload = err
@@ -73,8 +78,25 @@ def read_requests(job: JobArgs, tokenizer, context_limit: int, vocab_size: int
     return payload
 
 
+def writable(job: JobArgs) -> ConfigError | None:
+    """Why rank 0 could not write --output or --metrics-json (None: it can): checked before
+    the weights load, not when the job has run (a missing folder was refused at the end)."""
+    for flag, path in (("--output", job.output), ("--metrics-json", job.metrics_json)):
+        if path is None:
+            continue
+        if Path(path).is_dir():
+            return ConfigError(f"{flag}={path} is a folder; give a file in it")
+        if not Path(path).parent.is_dir():
+            return ConfigError(f"{flag}={path}: folder {Path(path).parent} does not exist")
+    return None
+
+
 def run_job(args: EngineArgs, job: JobArgs) -> int:
     state = get_parallel()
+    # Only rank 0 writes them (other nodes may not have the folders): its verdict for all
+    refusal = broadcast_object(writable(job) if state.rank == 0 else None)
+    if refusal is not None:
+        raise refusal
     engine = build_engine(args)
     freeze_heap()
     target = engine.target

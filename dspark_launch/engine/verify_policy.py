@@ -41,7 +41,11 @@ def build_verify_policy(engine, mode: str, profile: str, draft_dir: str | None,
         return None
     state = get_parallel()
     block = 1 + proposer.max_drafts
-    room = min(engine.limits.max_running * block, engine.space.num_free_tokens)
+    # The profile's forwards lay one block per request slot, and each slot takes whole pages
+    # (at page size 16 a 9-token block takes a page of 16: priced in tokens, a small pool
+    # failed at start-up)
+    blocks = engine.space.allocator.num_free_pages // -(-block // engine.space.page_size)
+    room = block * min(engine.limits.max_running, blocks)
     points = profile_points(max(1, room), PROFILE_POINTS)
     c = engine.target.config
     machine = {**conditions(engine), "gemm_kernel": engine.gemm_kernel,

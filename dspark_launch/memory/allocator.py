@@ -100,7 +100,8 @@ class KVSpace:
 
     With a prefix cache attached, a slot's first pages may be the cache's (shared with other
     requests, locked while the slot uses them): the slot never frees those, and an allocation
-    that finds no free page first evicts unlocked cached pages.
+    that finds no free page takes other requests' spare rows, then evicts unlocked cached
+    pages (_alloc).
     """
 
     def __init__(

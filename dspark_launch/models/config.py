@@ -1,8 +1,9 @@
 """ModelConfig: the target architecture parsed from an HF `config.json`, plus topology checks.
 
 Only what the engine needs is kept; anything we cannot run faithfully (rope scaling, sliding
-windows, MLP biases, other architectures) is refused with a ConfigError instead of silently
-producing different tokens than transformers would.
+windows, MLP biases, quantized weights, other architectures) is refused with a ConfigError
+instead of silently producing different tokens than transformers would, and so is a value of
+the wrong kind.
 """
 
 from __future__ import annotations
@@ -65,7 +66,17 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], generation: Mapping[str, Any] | None = None,
                   source: str = "config.json") -> ModelConfig:
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+        if raw.get("quantization_config"):
+            # Its scales would be loaded nowhere: an FP8 checkpoint ran, and wrote garbage
+            method = raw["quantization_config"]
+            method = method.get("quant_method") if isinstance(method, Mapping) else method
+            raise ConfigError(f"{source}: quantized weights (quantization_config "
+                              f"{method!r}) are not supported; use the unquantized checkpoint")
         archs = raw.get("architectures") or []
+        if isinstance(archs, str):
+            archs = [archs]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ConfigError(
@@ -102,6 +113,15 @@ class ModelConfig:
             )
         except KeyError as err:
             raise ConfigError(f"{source}: missing key {err.args[0]!r}") from None
+        except ZeroDivisionError:
+            raise ConfigError(f"{source}: num_attention_heads=0 must be >= 1") from None
+        except (TypeError, ValueError, AttributeError) as err:
+            raise ConfigError(f"{source}: a value of the wrong kind ({err})") from None
+        sizes = {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                                 "num_hidden_layers", "num_attention_heads",
+                                                 "num_key_value_heads", "head_dim")}
+        if bad := {k: v for k, v in sizes.items() if v < 1}:
+            raise ConfigError(f"{source}: {bad} must be >= 1")
         if heads % cfg.num_key_value_heads:
             raise ConfigError(f"{source}: num_attention_heads={heads} is not a multiple of "
                               f"num_key_value_heads={cfg.num_key_value_heads}")

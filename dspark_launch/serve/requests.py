@@ -113,7 +113,9 @@ def completion_prompts(req: CompletionRequest, info: ModelInfo
     out = []
     for item in items:
         if isinstance(item, str):
-            ids = info.tokenizer.encode(item, add_special_tokens=False).ids
+            # With the tokenizer's special tokens (a BOS where it adds one), as the CLI job
+            # and vLLM's completions do; a chat prompt's come from its template
+            ids = info.tokenizer.encode(item).ids
             out.append((_check_ids(ids, info, "prompt"), item))
         else:
             out.append((_check_ids(list(item), info, "prompt"), None))

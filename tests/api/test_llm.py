@@ -95,6 +95,7 @@ def test_per_request_sampling_params_give_what_each_gets_alone():
 
 def _stops_and_edges(rank: int) -> dict:
     from dspark_launch import LLM, SamplingParams
+    from dspark_launch.errors import ConfigError
 
     prompt = heldout()[0]
     out: dict = {}
@@ -135,16 +136,33 @@ def _stops_and_edges(rank: int) -> dict:
                 out["refused"].append(str(err))
         out["after"] = llm.generate(prompt, greedy)[0].token_ids  # nothing lost
         out["vocab"] = vocab
+        try:  # it joined the first one's parallel state, and broke when that one shut down
+            LLM(kv_cache_memory="64MiB", device="cpu")
+        except RuntimeError as err:
+            out["second"] = str(err)
+    try:
+        llm.generate(prompt, greedy)
+    except RuntimeError as err:
+        out["after_shutdown"] = str(err)
+    try:  # scheduled nothing: every request ended at once
+        LLM(kv_cache_memory="64MiB", device="cpu", chunked_prefill_size=0)
+    except ConfigError as err:
+        out["counts"] = str(err)
+    # Pages of 16 and a small pool: the start-up profile priced its blocks in tokens, not in
+    # the pages each one takes, and the engine failed to start
+    with LLM(kv_cache_memory="64MiB", device="cpu", max_total_tokens=512, page_size=16) as lm:
+        out["paged"] = lm.generate(prompt, greedy)[0].token_ids
     return out
 
 
-def test_stop_tokens_extreme_sampling_values_and_bad_ids():
+def test_stop_tokens_extreme_sampling_values_bad_ids_and_bad_engines():
     """The token that stopped a request is in its token ids, not in its text (vLLM's rule),
     unless include_stop_str_in_output, which keeps a stop string too; a top_k past the
     vocabulary is no top_k (it overflowed the step's int64 upload before), a top_p float32
     reads as 0 keeps the top token (greedy's); token ids outside the vocabulary in a prompt
     or in stop_token_ids (indexed by min_tokens' ban: an IndexError in the step) are refused
-    before anything runs, and the engine goes on."""
+    before anything runs, and the engine goes on. One LLM at a time, none used after its
+    shutdown, counts checked as the CLI checks them, and pages of 16 in a small pool."""
     r = run_world(1, _stops_and_edges, timeout=300)[0]
     ids, k, v = r["plain"], r["k"], r["views"]
     assert v["stop_token"] == (r["decode"][0], ids[:k + 1], "stop", ids[k])
@@ -159,6 +177,11 @@ def test_stop_tokens_extreme_sampling_values_and_bad_ids():
         f"prompt 0: stop_token_ids [{vocab + 5}] outside the vocabulary [0, {vocab})",
         f"prompt 0: prompt token ids [{vocab + 1}] outside the vocabulary [0, {vocab})"]
     assert r["after"] == ids
+    assert r["second"] == ("an LLM is already running in this process; shutdown() it first "
+                           "(one engine per process)")
+    assert r["after_shutdown"] == "generate() after shutdown(): build a new LLM"
+    assert r["counts"] == "chunked_prefill_size=0 must be >= 1"
+    assert r["paged"] == ids
 
 
 def test_world_of_one_without_torchrun_uses_the_embedded_model_and_its_defaults(offline):

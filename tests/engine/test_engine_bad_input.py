@@ -155,6 +155,58 @@ def test_existing_output_needs_overwrite(tiny, tmp_path, capsys):
     assert out.read_text() == "precious\n"
 
 
+def test_resume_refuses_a_file_that_is_no_output_of_this_job(tiny, tmp_path, capsys):
+    """--resume rewrites its --output. A file holding anything but this job's records was
+    rewritten as if its lines were torn (a notes file, the --prompts file: one record left),
+    a record without an index broke every later resume, and another job's output was
+    continued as this one's. Each is now one line, exit 2, the file as it was."""
+    p = write_prompts(tmp_path / "p.jsonl", [{"input_ids": [3, 4]}, {"input_ids": [5, 6]}])
+    base = [*model_args(tiny, "NONE"), "--max-new-tokens", "2", *AMPLE]
+    out = tmp_path / "out.jsonl"
+    assert run_main([*base, "--prompts", str(p), "--output", str(out)], capsys)[0] == 0
+    other = write_prompts(tmp_path / "q.jsonl", [{"input_ids": [7, 8]}, {"input_ids": [5, 6]}])
+    notes, noindex = tmp_path / "notes.txt", tmp_path / "noindex.jsonl"
+    notes.write_text("my notes\nline two\n")
+    noindex.write_text(out.read_text() + '{"note": "hand edit"}\n')
+    for prompts, output, needles in [
+            (p, notes, ("line 1 is not JSON", "--overwrite")),
+            (p, noindex, ("line 3 is no request record",)),
+            (other, out, ("line 1: request 0", "another prompt")),
+            (p, p, ("is the --prompts file",))]:
+        before = output.read_text()
+        rc, err = run_main([*base, "--prompts", str(prompts), "--output", str(output),
+                            "--resume"], capsys)
+        assert rc == 2, err
+        assert_one_line_error(err, *needles)
+        assert output.read_text() == before
+    # The job's own file, its last line torn by a crash, still resumes: that request runs
+    # again, the finished one stays.
+    lines = out.read_text().splitlines()
+    out.write_text(lines[0] + "\n" + lines[1][:10])
+    assert run_main([*base, "--prompts", str(p), "--output", str(out), "--resume"],
+                    capsys)[0] == 0
+    assert [r["index"] for r in read_jsonl(out)] == [0, 1]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--temperature", "nan"], "--temperature=nan must be a finite number"),
+    (["--dist-timeout", "inf"], "--dist-timeout=inf must be a finite number"),
+    (["--metrics-json", "/no/such/folder/m.json"], "folder /no/such/folder does not exist"),
+    (["--output", "{tmp}"], "is a folder"),
+    (["--prompts", "{seed}"], "line 1: seed=-1: must be a non-negative integer"),
+])
+def test_bad_values_that_were_tracebacks(tiny, tmp_path, capsys, argv, needle):
+    """Each of these ended in a traceback, exit 1 (the folders after the whole job ran)."""
+    seed = write_prompts(tmp_path / "s.jsonl", [{"input_ids": [3, 4], "seed": -1}])
+    ok = write_prompts(tmp_path / "ok.jsonl", [{"input_ids": [3, 4]}])
+    argv = [a.format(tmp=tmp_path, seed=seed) for a in argv]
+    prompts = [] if "--prompts" in argv else ["--prompts", str(ok)]
+    rc, err = run_main([*model_args(tiny, "NONE"), *prompts, "--max-new-tokens", "2", *AMPLE,
+                        *argv], capsys)
+    assert rc == 2, err
+    assert_one_line_error(err, needle)
+
+
 def _expect_exit_2(rank, argv):
     from dspark_launch.__main__ import main
 

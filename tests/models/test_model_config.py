@@ -59,13 +59,25 @@ def test_from_pretrained_reads_generation_config(tmp_path):
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"num_key_value_heads": 3}, "num_key_value_heads=3"),
     ({"vocab_size": None}, "vocab_size"),
+    # An FP8 checkpoint loaded without its scales and wrote garbage
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantized weights.*'fp8'"),
+    ({"num_attention_heads": "eight"}, "wrong kind"),  # these were tracebacks
+    ({"rope_parameters": [1e4]}, "wrong kind"),
+    ({"num_attention_heads": 0}, "num_attention_heads=0 must be >= 1"),
+    ({"vocab_size": 0}, "'vocab_size': 0.*must be >= 1"),
+    ({"architectures": "Qwen3ForCausalLM", "vocab_size": 5}, None),  # a string: one name
 ])
 def test_refusals(change, needle):
     raw = {**BASE, "rope_theta": 1e4, **change}
     if raw.get("vocab_size") is None:
         raw.pop("vocab_size")
+    if needle is None:  # accepted
+        assert ModelConfig.from_dict(raw).architecture == "Qwen3ForCausalLM"
+        return
     with pytest.raises(ConfigError, match=needle):
         ModelConfig.from_dict(raw)
+    with pytest.raises(ConfigError, match="expected a JSON object, got list"):
+        ModelConfig.from_dict([raw])
 
 
 def test_parse_dtype():
