@@ -263,9 +263,10 @@ def resolve_config(argv: list[str] | None = None, world_size: int | None = None)
     """Parse and validate once. argparse's own errors exit 2 with usage; ours raise ConfigError."""
     argv = list(sys.argv[1:] if argv is None else argv)
     serve = bool(argv) and argv[0] == "serve"
-    ns = build_parser(serve).parse_args(argv[1:] if serve else argv)
+    parser = build_parser(serve)
+    ns = parser.parse_args(argv[1:] if serve else argv)
     if serve:
-        validate_server_flags(ns)
+        validate_server_flags(ns, parser)
     world = launch_world_size() if world_size is None else world_size
     attn_dp_size, warnings = resolve_attn_dp(ns)
     tp_size = ns.tp_size if ns.tp_size is not None else world
@@ -293,6 +294,9 @@ def resolve_config(argv: list[str] | None = None, world_size: int | None = None)
         raise ConfigError("--prompt and --prompts were both given; use one")
     if ns.json and not ns.plan:
         raise ConfigError("--json only applies to --plan")
+    if ns.resume and ns.overwrite:
+        raise ConfigError("--resume and --overwrite were both given: --resume continues "
+                          "--output, --overwrite replaces it; use one")
     if ns.resume and ns.output is None:
         raise ConfigError("--resume needs --output FILE (the requests it skips live there)")
     if ns.draft is not None and ns.model is None:
@@ -354,10 +358,22 @@ def resolve_config(argv: list[str] | None = None, world_size: int | None = None)
     )
 
 
-def validate_server_flags(ns: argparse.Namespace) -> None:
+def validate_server_flags(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     for flag in ("prompt", "prompts", "output", "resume", "plan"):
         if getattr(ns, flag):
             raise ConfigError(f"--{flag} does not apply to `serve` (requests come over HTTP)")
+    # Accepted and ignored before: a server given --temperature 0.7 answered greedily
+    for name, why in (("temperature", "sampling"), ("top_p", "sampling"),
+                      ("top_k", "sampling"), ("max_new_tokens", "sampling"),
+                      ("metrics_json", "output"), ("overwrite", "output"),
+                      ("progress", "output")):
+        if getattr(ns, name) != parser.get_default(name):
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(
+                f"{flag} does not apply to `serve`: " + (
+                    "each request sets its own (unset fields take the checkpoint's "
+                    "generation_config.json)" if why == "sampling" else
+                    "it writes no job output (its metrics are at GET /metrics)"))
     if not 0 <= ns.port <= 65535:
         raise ConfigError(f"--port={ns.port} must be in [0, 65535]")
     require_positive("--max-queued-requests", ns.max_queued_requests)

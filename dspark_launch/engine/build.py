@@ -24,6 +24,7 @@ from dspark_launch.memory.build import build_kv_memory
 from dspark_launch.memory.geometry import KVGeometry
 from dspark_launch.memory.radix_cache import RadixCache
 from dspark_launch.memory.transients import check_step_peak, step_shape
+from dspark_launch.models.config import run_dtype
 from dspark_launch.models.layers.gemm import NEVER
 from dspark_launch.models.loader import load_model
 from dspark_launch.parallel import get_parallel
@@ -152,9 +153,11 @@ def check_block_size(args: EngineArgs, parts, max_position_embeddings: int) -> N
     else:
         limit, source = max_position_embeddings, "the model's max_position_embeddings"
     if parts.block_size > limit:
+        block = f"--block-size={parts.block_size}" if args.block_size is not None else \
+            f"the draft's block size {parts.block_size}"
         raise ConfigError(
-            f"--block-size={parts.block_size} is larger than the context limit of {limit} "
-            f"tokens ({source}); use a block size of at most {limit}")
+            f"{block} is larger than the context limit of {limit} tokens ({source}); use a "
+            f"block size of at most {limit}")
     trained = parts.draft.config.block_size if parts.draft is not None else None
     if trained and parts.block_size > trained and get_parallel().rank == 0:
         logger.warning("--block-size=%d is larger than the draft's trained block size %d: "
@@ -167,9 +170,7 @@ def build_engine(args: EngineArgs) -> Engine:
     state = get_parallel()
     device = state.device
     free_before = measure_free_bytes(device) if device.type == "cuda" else None
-    # On CPU "auto" computes in fp32: bf16 matmuls there are slow and flip near-ties between
-    # a batched verify and one-token decoding. On CUDA "auto" keeps the checkpoint's dtype.
-    dtype = "float32" if args.dtype == "auto" and device.type == "cpu" else args.dtype
+    dtype = run_dtype(args.dtype, device.type == "cpu")
     # Checkpoints are read per rank (each its own shards): agree before the next collective.
     failure.progress.phase = "loading"  # a signal stops every rank here at once (nothing to write)
     ckpt, target, parts = agreed(lambda: _load(args, dtype, device))

@@ -112,11 +112,14 @@ class Models:
 def read_models(cfg) -> Models:
     """Parse the configs as a launch would (models/ parsers; imported lazily: --plan is the
     one part of memory/ that reads model configs)."""
-    from dspark_launch.models.config import ModelConfig
+    from dspark_launch.models.config import ModelConfig, run_dtype
     from dspark_launch.models.draft_config import DraftConfig, validate_against_target
     from dspark_launch.spec.factory import NGRAM_BLOCK
 
     target_dir, draft_dir = checkpoint_dirs(cfg)
+    # --device cpu computes "auto" in fp32 (a launch there got 2.6x fewer KV tokens than
+    # this plan priced in the checkpoint's bf16); auto or cuda: the checkpoint's dtype
+    dtype = run_dtype(cfg.dtype, cfg.device == "cpu")
     raw_target = read_config(target_dir, "target")
     target = ModelConfig.from_dict(raw_target, source=str(target_dir / "config.json"))
     draft, draft_dtype, block = None, None, cfg.block_size or NGRAM_BLOCK
@@ -130,13 +133,13 @@ def read_models(cfg) -> Models:
                               f"is a {parsed.kind} checkpoint")
         if algorithm == parsed.kind:  # NONE / NGRAM build no draft, so price none
             validate_against_target(parsed, target)
-            draft, draft_dtype = parsed, config_dtype(cfg.dtype, raw_draft, "draft")
+            draft, draft_dtype = parsed, config_dtype(dtype, raw_draft, "draft")
             block = cfg.block_size or parsed.block_size
     if algorithm in BLOCK_DRAFTERS and draft is None:
         raise ConfigError(f"--speculative-algorithm {algorithm} needs --draft (a {algorithm} "
                           f"checkpoint directory)")
     return Models(target_dir, draft_dir if draft else None, target, draft,
-                  config_dtype(cfg.dtype, raw_target, "target"), draft_dtype,
+                  config_dtype(dtype, raw_target, "target"), draft_dtype,
                   algorithm or "NONE", block)
 
 

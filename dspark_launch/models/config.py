@@ -26,6 +26,13 @@ _DTYPES = {
 }
 
 
+def run_dtype(dtype: str, on_cpu: bool) -> str:
+    """The --dtype a run computes in: on CPU "auto" is fp32 (bf16 matmuls there are slow and
+    flip near-ties between a batched verify and one-token decoding); elsewhere "auto" keeps
+    the checkpoint's dtype. The launch and --plan --device cpu both read it."""
+    return "float32" if dtype == "auto" and on_cpu else dtype
+
+
 def parse_dtype(value: str | torch.dtype | None, default: torch.dtype = torch.float32
                 ) -> torch.dtype:
     """'bfloat16' / 'torch.float16' / torch.dtype / None ('auto') -> torch.dtype."""

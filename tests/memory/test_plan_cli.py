@@ -44,9 +44,9 @@ V, D, I_, HQ, HKV, HD, L_T, L_D, M, B = 151936, 4096, 12288, 32, 8, 128, 36, 5, 
 R, CHUNK, BF16, FP32 = 64, 512, 2, 4  # --max-running-requests / --chunked-prefill-size
 
 
-def cells(attn_tp: int) -> tuple[int, int]:
+def cells(attn_tp: int, itemsize: int = BF16) -> tuple[int, int]:
     heads = max(1, HKV // attn_tp)
-    return heads * 2 * HD * L_T * BF16, heads * 2 * HD * L_D * BF16
+    return heads * 2 * HD * L_T * itemsize, heads * 2 * HD * L_D * itemsize
 
 
 def closed_form_weights(tp: int, attn_tp: int) -> tuple[int, int]:
@@ -186,14 +186,16 @@ def _one_line_error(out: subprocess.CompletedProcess, *parts: str) -> None:
 
 
 def test_plan_on_cpu_without_kv_cache_memory_sizes_to_the_run(capsys) -> None:
-    """No --kv-cache-memory on CPU: the budget is what the run can use, and says so."""
+    """No --kv-cache-memory on CPU: the budget is what the run can use, and says so; the
+    cells in fp32, as a CPU launch computes a bf16 checkpoint under --dtype auto (priced in
+    bf16, the plan promised 2.6x the KV tokens the embedded model's launch got)."""
     flags = [f for f in qwen_flags(8, 1) if f not in ("--kv-cache-memory", "8GiB")]
     code, stdout, stderr = plan_in_process(capsys, *flags, "--device", "cpu", "--json",
                                            "--max-running-requests", "4",
                                            "--context-length", "1000", "--page-size", "16")
     assert code == 0, stderr
     report = json.loads(stdout)
-    target, draft = cells(8)
+    target, draft = cells(8, FP32)
     pages_per_request = -(-(1000 + B) // 16)  # context + one verify round, whole pages
     assert report["max_total_tokens"] == 4 * pages_per_request * 16
     r = report["ranks"][0]
@@ -211,8 +213,9 @@ def test_plan_names_a_missing_config_json(tmp_path: Path) -> None:
 def test_plan_budget_too_small_names_the_minimum(capsys) -> None:
     code, _, stderr = plan_in_process(
         capsys, "--tp-size", "1", "--model", str(TARGET), "--draft", str(DRAFT),
-        "--kv-cache-memory", "100KiB", "--device", "cpu")
-    # 2 pages (one usable + the dummy) of the attn_tp=1 cells, plus the step's transients.
+        "--kv-cache-memory", "100KiB")
+    # 2 pages (one usable + the dummy) of the attn_tp=1 cells, plus the step's transients
+    # (bf16: the checkpoint's, as a GPU launch computes it).
     assert code == 2 and len(stderr.strip().splitlines()) == 1
     need = 2 * (147456 + 20480) + closed_form_transients(1, 1)
     assert f"needs {need} bytes" in stderr and "--kv-cache-memory" in stderr

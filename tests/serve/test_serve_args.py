@@ -23,6 +23,14 @@ def test_serve_flags_are_parsed():
     (["serve", "--port", "70000"], "--port=70000"),
     (["serve", "--max-queued-requests", "0"], "--max-queued-requests=0"),
     (["serve", "--shutdown-grace", "-1"], "--shutdown-grace=-1"),
+    (["serve", "--shutdown-grace", "nan"], "--shutdown-grace=nan must be a finite number"),
+    # Accepted and ignored before: the server answered greedily, 128 tokens, no metrics file
+    (["serve", "--temperature", "0.7"], "--temperature does not apply to `serve`: each "
+                                        "request sets its own"),
+    (["serve", "--max-new-tokens", "3"], "--max-new-tokens does not apply"),
+    (["serve", "--metrics-json", "m.json"], "--metrics-json does not apply.*GET /metrics"),
+    (["serve", "--progress"], "--progress does not apply"),
+    (["--resume", "--overwrite", "--output", "o.jsonl"], "--resume and --overwrite"),
 ])
 def test_bad_serve_flags_are_refused_by_name(argv, named):
     with pytest.raises(ConfigError, match=named):
