@@ -117,37 +117,41 @@ class DraftConfig:
                                       source=source)
         if layer.attention_bias:
             raise ConfigError(f"{source}: attention_bias=true is not supported for drafts")
-        extra = (raw.get("dflash_config") or {}) if kind == DFLASH else raw
-        n_layers = layer.num_hidden_layers
-        n_target = raw.get("num_target_layers")
-        ids = extra.get("target_layer_ids")
-        if ids is None:
-            if n_target is None:
-                raise ConfigError(f"{source}: neither target_layer_ids nor num_target_layers "
-                                  f"is set, so the target features cannot be chosen")
-            ids = build_target_layer_ids(int(n_target), n_layers)
-        ids = tuple(int(i) for i in ids)
-        mask_id = extra.get("mask_token_id", raw.get("mask_token_id"))
-        if mask_id is None:
-            raise ConfigError(f"{source}: no mask_token_id")
-        if kind == DSPARK:
-            rank = int(raw.get("markov_rank", 0))
-            head_type = str(raw.get("markov_head_type", "vanilla"))
-            confidence = bool(raw.get("enable_confidence_head", False))
-            conf_markov = bool(raw.get("confidence_head_with_markov", True)) and rank > 0
-        else:
-            rank, head_type, confidence, conf_markov = 0, "vanilla", False, False
-        cfg = cls(
-            kind=kind, block_size=int(raw.get("block_size", 0)), target_layer_ids=ids,
-            mask_token_id=int(mask_id), num_target_layers=None if n_target is None
-            else int(n_target), markov_rank=rank, markov_head_type=head_type,
-            has_confidence_head=confidence, confidence_with_markov=conf_markov,
-            vocab_size=layer.vocab_size, hidden_size=layer.hidden_size,
-            intermediate_size=layer.intermediate_size, num_hidden_layers=n_layers,
-            num_attention_heads=layer.num_attention_heads,
-            num_key_value_heads=layer.num_key_value_heads, head_dim=layer.head_dim,
-            rms_norm_eps=layer.rms_norm_eps, rope_theta=layer.rope_theta,
-            max_position_embeddings=layer.max_position_embeddings, dtype=layer.dtype)
+        try:
+            extra = (raw.get("dflash_config") or {}) if kind == DFLASH else raw
+            n_layers = layer.num_hidden_layers
+            n_target = raw.get("num_target_layers")
+            ids = extra.get("target_layer_ids")
+            if ids is None:
+                if n_target is None:
+                    raise ConfigError(f"{source}: neither target_layer_ids nor num_target_layers "
+                                      f"is set, so the target features cannot be chosen")
+                ids = build_target_layer_ids(int(n_target), n_layers)
+            ids = tuple(int(i) for i in ids)
+            mask_id = extra.get("mask_token_id", raw.get("mask_token_id"))
+            if mask_id is None:
+                raise ConfigError(f"{source}: no mask_token_id")
+            if kind == DSPARK:
+                rank = int(raw.get("markov_rank", 0))
+                head_type = str(raw.get("markov_head_type", "vanilla"))
+                confidence = bool(raw.get("enable_confidence_head", False))
+                conf_markov = bool(raw.get("confidence_head_with_markov", True)) and rank > 0
+            else:
+                rank, head_type, confidence, conf_markov = 0, "vanilla", False, False
+            cfg = cls(
+                kind=kind, block_size=int(raw.get("block_size", 0)), target_layer_ids=ids,
+                mask_token_id=int(mask_id), num_target_layers=None if n_target is None
+                else int(n_target), markov_rank=rank, markov_head_type=head_type,
+                has_confidence_head=confidence, confidence_with_markov=conf_markov,
+                vocab_size=layer.vocab_size, hidden_size=layer.hidden_size,
+                intermediate_size=layer.intermediate_size, num_hidden_layers=n_layers,
+                num_attention_heads=layer.num_attention_heads,
+                num_key_value_heads=layer.num_key_value_heads, head_dim=layer.head_dim,
+                rms_norm_eps=layer.rms_norm_eps, rope_theta=layer.rope_theta,
+                max_position_embeddings=layer.max_position_embeddings, dtype=layer.dtype)
+        except (TypeError, ValueError, AttributeError) as err:
+            # target_layer_ids: 3, mask_token_id: "x", block_size: null were tracebacks
+            raise ConfigError(f"{source}: a value of the wrong kind ({err})") from None
         cfg._check(source)
         return cfg
 

@@ -120,3 +120,12 @@ def test_bad_head_type_and_topology_are_refused():
     with pytest.raises(ConfigError, match="intermediate_size=100.*attn_tp_size=8"):
         cfg.check_topology(8)
     cfg.check_topology(4)
+
+
+@pytest.mark.parametrize("key,value", [("target_layer_ids", 3), ("mask_token_id", "x"),
+                                       ("block_size", None), ("markov_rank", "32x")])
+def test_values_of_the_wrong_kind_are_refused_naming_the_file(key, value):
+    """Each of these was a traceback, exit 1."""
+    raw = {**draft_config_dict(tiny_target_config(), "DSPARK"), key: value}
+    with pytest.raises(ConfigError, match=r"draft.json: a value of the wrong kind"):
+        DraftConfig.from_dict(raw, source="draft.json")
