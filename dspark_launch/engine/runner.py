@@ -63,10 +63,6 @@ def read_requests(job: JobArgs, tokenizer, context_limit: int, vocab_size: int
                 rows, source = read_prompt_file(str(BUILTIN_PROMPTS)), "built-in prompts"
             specs = build_specs(rows, tokenizer, job.max_new_tokens, job.temperature,
                                 context_limit, vocab_size, source, job.top_k, job.top_p)
-            if job.output and job.prompts and Path(job.output).exists() \
-                    and Path(job.output).samefile(job.prompts):
-                raise ConfigError(f"--output={job.output} is the --prompts file; choose "
-                                  f"another --output")
             skip = {record["index"] for _, record in read_records(job.output, specs)} \
                 if job.resume and job.output else set()
             payload = (specs, skip)

@@ -172,7 +172,7 @@ def test_resume_refuses_a_file_that_is_no_output_of_this_job(tiny, tmp_path, cap
             (p, notes, ("line 1 is not JSON", "--overwrite")),
             (p, noindex, ("line 3 is no request record",)),
             (other, out, ("line 1: request 0", "another prompt")),
-            (p, p, ("is the --prompts file",))]:
+            (p, p, ("line 1 is no request record",))]:  # the --prompts file
         before = output.read_text()
         rc, err = run_main([*base, "--prompts", str(prompts), "--output", str(output),
                             "--resume"], capsys)
