@@ -56,7 +56,8 @@ def read_records(path: str, specs: list[RequestSpec] | None = None) -> list[tupl
     again). Anything else is no output of this tool's, and resuming rewrites the file: its
     lines were dropped as if torn (a notes file, or the --prompts file, given as --output
     was replaced by one record). With `specs`, a record whose prompt is not the job's at its
-    index is another job's output, and refused too."""
+    index is another job's output, and refused too, and so is one that ran with other
+    sampling settings (two runs' records would mix in one file)."""
     p = Path(path)
     if not p.exists():
         return []
@@ -79,19 +80,36 @@ def read_records(path: str, specs: list[RequestSpec] | None = None) -> list[tupl
             raise ConfigError(f"--output={path} line {n} is no request record (a JSON object "
                               f"with an integer \"index\"); {fix}")
         spec = prompts.get(record["index"])
-        if spec is not None and not _ran(record, spec):
-            raise ConfigError(f"--output={path} line {n}: request {record['index']} there had "
-                              f"another prompt than this job's (--resume continues the job "
-                              f"that wrote the file, with its prompts); {fix}")
+        if spec is not None and (why := _differs(record, spec)):
+            raise ConfigError(f"--output={path} line {n}: request {record['index']} there ran "
+                              f"{why} (--resume continues the job that wrote the file, with "
+                              f"its prompts and flags); {fix}")
         kept.append((line, record))
     return kept
 
 
-def _ran(record: dict, spec: RequestSpec) -> bool:
-    """The record's prompt is spec's, as OutputWriter.add wrote it."""
+def sampling_record(spec: RequestSpec) -> dict:
+    """The settings a request ran with, as its output line keeps them (for --resume)."""
+    p = spec.params
+    return {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p,
+            "top_k": p.top_k, "seed": p.seed}
+
+
+def _differs(record: dict, spec: RequestSpec) -> str | None:
+    """How the record's request differs from spec's, as OutputWriter.add wrote it (None:
+    the same; a record written before its settings were kept is checked by its prompt)."""
     if spec.prompt_text is not None:
-        return record.get("prompt") == spec.prompt_text
-    return record.get("input_ids") == list(spec.prompt_ids)
+        same = record.get("prompt") == spec.prompt_text
+    else:
+        same = record.get("input_ids") == list(spec.prompt_ids)
+    if not same:
+        return "another prompt than this job's"
+    ran, asked = record.get("sampling"), sampling_record(spec)
+    if ran is not None and ran != asked:
+        changed = ", ".join(f"{k}={ran.get(k)!r} (now {v!r})" for k, v in asked.items()
+                            if ran.get(k) != v)
+        return f"with other sampling settings: {changed}"
+    return None
 
 
 class OutputWriter:
@@ -134,6 +152,7 @@ class OutputWriter:
                 record["prompt"] = spec.prompt_text
             else:
                 record["input_ids"] = list(spec.prompt_ids)
+            record["sampling"] = sampling_record(spec)
         if self.tokenizer is not None:
             record["text"] = self.tokenizer.decode(record["output_ids"])
         self.records.append(record)

@@ -158,13 +158,16 @@ def test_existing_output_needs_overwrite(tiny, tmp_path, capsys):
 def test_resume_refuses_a_file_that_is_no_output_of_this_job(tiny, tmp_path, capsys):
     """--resume rewrites its --output. A file holding anything but this job's records was
     rewritten as if its lines were torn (a notes file, the --prompts file: one record left),
-    a record without an index broke every later resume, and another job's output was
-    continued as this one's. Each is now one line, exit 2, the file as it was."""
+    a record without an index broke every later resume, and another job's output (other
+    prompts, or other sampling settings) was continued as this one's. Each is now one line,
+    exit 2, the file as it was."""
     p = write_prompts(tmp_path / "p.jsonl", [{"input_ids": [3, 4]}, {"input_ids": [5, 6]}])
     base = [*model_args(tiny, "NONE"), "--max-new-tokens", "2", *AMPLE]
     out = tmp_path / "out.jsonl"
     assert run_main([*base, "--prompts", str(p), "--output", str(out)], capsys)[0] == 0
     other = write_prompts(tmp_path / "q.jsonl", [{"input_ids": [7, 8]}, {"input_ids": [5, 6]}])
+    hot = write_prompts(tmp_path / "hot.jsonl", [{"input_ids": [3, 4], "temperature": 1.0},
+                                                 {"input_ids": [5, 6]}])
     notes, noindex = tmp_path / "notes.txt", tmp_path / "noindex.jsonl"
     notes.write_text("my notes\nline two\n")
     noindex.write_text(out.read_text() + '{"note": "hand edit"}\n')
@@ -172,6 +175,7 @@ def test_resume_refuses_a_file_that_is_no_output_of_this_job(tiny, tmp_path, cap
             (p, notes, ("line 1 is not JSON", "--overwrite")),
             (p, noindex, ("line 3 is no request record",)),
             (other, out, ("line 1: request 0", "another prompt")),
+            (hot, out, ("line 1: request 0", "temperature=0.0 (now 1.0)")),
             (p, p, ("line 1 is no request record",))]:  # the --prompts file
         before = output.read_text()
         rc, err = run_main([*base, "--prompts", str(prompts), "--output", str(output),
