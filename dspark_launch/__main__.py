@@ -141,7 +141,14 @@ def engine_and_job_args(cfg: RunConfig):
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        cfg = resolve_config(argv)
+        try:
+            cfg = resolve_config(argv)
+        except LaunchError as err:
+            # Every rank parses the same flags to the same verdict: rank 0 says it, once (each
+            # rank printed it before: 8 lines at tp8)
+            if os.environ.get("RANK", "0") == "0":
+                print(f"dspark_launch: error: {err}", file=sys.stderr, flush=True)
+            return err.exit_code
         if cfg.plan:
             from dspark_launch.memory.plan import print_plan
 

@@ -79,6 +79,18 @@ def test_entry_returns_2_with_one_line_and_no_traceback(capsys: pytest.CaptureFi
     )
 
 
+def test_a_flag_error_is_said_by_rank_0_alone(capsys: pytest.CaptureFixture,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank parses the same flags to the same verdict: under torchrun each printed it
+    (8 lines at tp8); now rank 0 does, and every rank exits 2."""
+    monkeypatch.setenv("RANK", "1")
+    assert main(["--attn-dp-size", "3", "--tp-size", "8"]) == 2
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert main(["--attn-dp-size", "3", "--tp-size", "8"]) == 2
+    assert capsys.readouterr().err.startswith("dspark_launch: error: tp_size=8 is not divisible")
+
+
 def test_real_process_exit_code_2_no_traceback() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "dspark_launch", "--tp-size", "3"],
