@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -57,7 +58,7 @@ def default_sampling(engine) -> dict:
 
 
 class LLM:
-    alive = False  # an LLM of this process holds the engine (one per process)
+    live: weakref.ref | None = None  # the LLM of this process that holds the engine
 
     def __init__(self, model: str | None = None, draft: str | None = None, *,
                  tp_size: int | None = None, attn_dp_size: int = 1,
@@ -72,7 +73,7 @@ class LLM:
             engine_args["kv_cache_memory"] = parse_bytes(engine_args["kv_cache_memory"],
                                                          "kv_cache_memory")
         self._owns_runtime = False
-        if LLM.alive:
+        if (other := LLM.live and LLM.live()) is not None and other.engine is not None:
             # It would join the first's parallel state (its tp_size, attn_dp_size and device
             # whatever these say) and break when the first shuts down.
             raise RuntimeError("an LLM is already running in this process; shutdown() it "
@@ -89,7 +90,7 @@ class LLM:
         except BaseException:
             self.shutdown()
             raise
-        LLM.alive = True
+        LLM.live = weakref.ref(self)
         self.tokenizer = self.engine.tokenizer
         self._indices = itertools.count()  # the same on every rank: generate is SPMD
 
@@ -167,7 +168,6 @@ class LLM:
         if engine is not None:
             engine.shutdown()
             self.engine = None
-            LLM.alive = False
         if self._owns_runtime:
             self._owns_runtime = False
             destroy_parallel_runtime()

@@ -153,11 +153,12 @@ def check_block_size(args: EngineArgs, parts, max_position_embeddings: int) -> N
     else:
         limit, source = max_position_embeddings, "the model's max_position_embeddings"
     if parts.block_size > limit:
-        block = f"--block-size={parts.block_size}" if args.block_size is not None else \
-            f"the draft's block size {parts.block_size}"
+        block = (f"--block-size={parts.block_size}" if args.block_size is not None else
+                 f"the draft's block size {parts.block_size}" if parts.draft is not None else
+                 f"the default block size {parts.block_size}")
         raise ConfigError(
-            f"{block} is larger than the context limit of {limit} tokens ({source}); use a "
-            f"block size of at most {limit}")
+            f"{block} is larger than the context limit of {limit} tokens ({source}); pass "
+            f"--block-size N with N at most {limit}")
     trained = parts.draft.config.block_size if parts.draft is not None else None
     if trained and parts.block_size > trained and get_parallel().rank == 0:
         logger.warning("--block-size=%d is larger than the draft's trained block size %d: "

@@ -118,7 +118,8 @@ def read_models(cfg) -> Models:
 
     target_dir, draft_dir = checkpoint_dirs(cfg)
     # --device cpu computes "auto" in fp32 (a launch there got 2.6x fewer KV tokens than
-    # this plan priced in the checkpoint's bf16); auto or cuda: the checkpoint's dtype
+    # this plan priced in the checkpoint's bf16); auto or cuda: the checkpoint's dtype, as
+    # a GPU launch computes it, wherever the plan runs (it prices other machines' launches)
     dtype = run_dtype(cfg.dtype, cfg.device == "cpu")
     raw_target = read_config(target_dir, "target")
     target = ModelConfig.from_dict(raw_target, source=str(target_dir / "config.json"))

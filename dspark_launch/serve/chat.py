@@ -82,14 +82,20 @@ class ChatTemplate:
         string, and the server joins the parts' text (serve/requests.py: message): the rule
         vLLM and SGLang apply. Sent a list, a string template fails (Qwen2.5's
         `'...' + message['content']`) or renders nothing for it (Qwen3's)."""
-        def reads_content(expr: jinja2.nodes.Node) -> bool:  # expr or a part of it
-            return any(isinstance(n, jinja2.nodes.Getattr) and n.attr == "content"
-                       or isinstance(n, jinja2.nodes.Getitem)
-                       and isinstance(n.arg, jinja2.nodes.Const) and n.arg.value == "content"
-                       for n in (expr, *expr.find_all(jinja2.nodes.Node)))
+        def is_content(expr: jinja2.nodes.Node) -> bool:
+            """`x.content` or `x['content']`, through filters (`| selectattr(...)`), not a
+            call on it (`.split('\n')` reads a string)."""
+            while isinstance(expr, jinja2.nodes.Filter):
+                expr = expr.node
+            return (isinstance(expr, jinja2.nodes.Getattr) and expr.attr == "content"
+                    or isinstance(expr, jinja2.nodes.Getitem)
+                    and isinstance(expr.arg, jinja2.nodes.Const) and expr.arg.value == "content")
 
-        tree = _environment().parse(self.source)
-        return any(reads_content(loop.iter) for loop in tree.find_all(jinja2.nodes.For))
+        try:
+            tree = _environment().parse(self.source)
+        except jinja2.TemplateError:
+            return False  # render() answers it (a 400 naming the template's error)
+        return any(is_content(loop.iter) for loop in tree.find_all(jinja2.nodes.For))
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
                **kwargs) -> str:

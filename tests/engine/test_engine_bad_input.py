@@ -89,6 +89,14 @@ def test_block_larger_than_the_context_is_refused(tiny, tmp_path, capsys):
                         *AMPLE], capsys)
     assert rc == 2
     assert_one_line_error(err, "--block-size=65", "context limit of 64 tokens (--context-length)")
+    # Without --block-size the block is the draft's, or NGRAM's default: named as such
+    for algorithm, named in (("DFLASH", "the draft's block size 4"),
+                             ("NGRAM", "the default block size")):
+        draft = tiny.dflash(4) if algorithm == "DFLASH" else None
+        rc, err = run_main([*model_args(tiny, algorithm, None, draft), "--prompts", str(p),
+                            "--context-length", "3", *AMPLE], capsys)
+        assert rc == 2
+        assert_one_line_error(err, named, "context limit of 3 tokens", "--block-size N")
 
 
 def test_block_larger_than_trained_warns_once_and_runs(tiny, tmp_path, capsys):

@@ -121,3 +121,20 @@ def test_a_template_failing_on_the_messages_and_a_kwarg_for_messages_are_400s(tm
     with pytest.raises(APIError) as err:
         chat_prompt(twice, info)
     assert (err.value.status, err.value.param) == (400, "chat_template_kwargs")
+
+
+def test_takes_parts_only_where_a_loop_reads_the_content_itself():
+    """A loop over `content` (through a filter) reads OpenAI's parts; a loop over a string
+    method's result reads a string, and a template that does not parse is render()'s to
+    refuse (a 400), not a server error."""
+    loops = {"{% for p in m['content'] %}{{ p.text }}{% endfor %}": True,
+             "{% for p in m.content | selectattr('type') %}{{ p.text }}{% endfor %}": True,
+             "{% for line in m['content'].split('\\n') %}{{ line }}{% endfor %}": False,
+             "{{ m.content }}": False}
+    for body, parts in loops.items():
+        source = "{% for m in messages %}" + body + "{% endfor %}"
+        assert ChatTemplate(source, {}).takes_parts is parts, body
+    broken = ChatTemplate("{% for m in messages %}{{ m.content }", {})
+    assert broken.takes_parts is False
+    with pytest.raises(ChatTemplateError, match="the chat template failed"):
+        broken.render([{"role": "user", "content": "x"}])

@@ -222,7 +222,7 @@ def test_extreme_top_k_and_top_p_are_what_they_mean():
 
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
     params = [SamplingParams(temperature=1.0, top_k=2**63), SamplingParams(top_k=2**70),
-              SamplingParams(temperature=1.0, top_p=1e-50), SamplingParams(top_p=1e-40)]
+              SamplingParams(temperature=1.0, top_p=1e-50), SamplingParams(top_p=1e-46)]
     rows = SamplingRows.build(params, [1, 2, 3, 4], [0] * 4, "cpu")
     probs = target_probs(logits.expand(4, -1), rows)
     softmax = torch.softmax(logits[0], -1)
