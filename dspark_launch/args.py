@@ -39,7 +39,8 @@ def parse_bytes(text: str, flag: str = "--kv-cache-memory") -> int:
         )
     value = int(float(match.group(1)) * _UNITS[unit])
     if value <= 0:
-        raise ConfigError(f"{flag}={text!r} must be positive")
+        raise ConfigError(f"{flag}={text!r} is {value} bytes; give one byte or more (e.g. "
+                          f"512MiB)")
     return value
 
 

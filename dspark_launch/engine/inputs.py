@@ -29,8 +29,9 @@ def read_prompt_file(path: str) -> list[dict]:
     if not lines:
         raise ConfigError(f"--prompts={path}: the file holds no prompts")
     # A *.jsonl name is a promise: its lines are JSON, a bad one is refused by number. Other
-    # names are sniffed (a first line that is a JSON object makes the file JSONL).
-    jsonl = path.endswith(".jsonl") or lines[0][1].lstrip().startswith("{")
+    # names are sniffed: a first line that is a JSON object makes the file JSONL (one that
+    # only starts with "{", such as a line of code, does not).
+    jsonl = path.endswith(".jsonl") or _json_object(lines[0][1])
     rows: list[dict] = []
     for n, line in lines:
         if not jsonl:
@@ -58,6 +59,13 @@ def _field(row: dict, key: str, kind, default, where: str):
     if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
         raise ConfigError(f"{where}: {key}={value!r} must be a number")
     return kind(value)
+
+
+def _json_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except json.JSONDecodeError:
+        return False
 
 
 def build_specs(

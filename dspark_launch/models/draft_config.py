@@ -36,7 +36,7 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     return [int(round(start + i * (end - start) / (k - 1))) for i in range(k)]
 
 
-def detect_draft_kind(config: Mapping[str, Any]) -> str:
+def detect_draft_kind(config: Mapping[str, Any], source: str = "draft config.json") -> str:
     """"DFLASH" (z-lab) or "DSPARK" (DeepSpec), from `architectures`, else from the keys."""
     for arch in config.get("architectures") or []:
         if arch in _ARCH_KIND:
@@ -47,7 +47,7 @@ def detect_draft_kind(config: Mapping[str, Any]) -> str:
     if "markov_rank" in config or "enable_confidence_head" in config:
         return DSPARK
     raise ConfigError(
-        f"draft config.json: cannot tell the draft format from architectures="
+        f"{source}: cannot tell the draft format from architectures="
         f"{config.get('architectures')!r}; expected DFlashDraftModel (z-lab DFlash) or "
         f"Qwen3DSparkModel (DeepSpec DSpark)")
 
@@ -111,7 +111,7 @@ class DraftConfig:
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], source: str = "draft config.json"
                   ) -> DraftConfig:
-        kind = detect_draft_kind(raw)
+        kind = detect_draft_kind(raw, source)
         # The draft layers are plain Qwen3 layers: let the target's parser read them.
         layer = ModelConfig.from_dict({**raw, "architectures": ["Qwen3ForCausalLM"]},
                                       source=source)

@@ -20,7 +20,7 @@ def draft_kind_of(path: str | None) -> str:
     if not cfg.is_file():
         raise ConfigError(f"--draft={path}: no config.json there")
     try:
-        return detect_draft_kind(json.loads(cfg.read_text()))
+        return detect_draft_kind(json.loads(cfg.read_text()), f"--draft={path}: {cfg}")
     except json.JSONDecodeError as err:
         raise ConfigError(f"{cfg}: not valid JSON ({err.msg})") from None
 

@@ -75,6 +75,9 @@ def test_format_detection():
     assert detect_draft_kind({"markov_rank": 0}) == "DSPARK"
     with pytest.raises(ConfigError, match="Qwen3ForCausalLM|cannot tell"):
         detect_draft_kind({"architectures": ["Qwen3ForCausalLM"]})
+    # A target given as --draft: the message names the file it read
+    with pytest.raises(ConfigError, match=r"^t/config.json: cannot tell the draft format"):
+        DraftConfig.from_dict({"architectures": ["Qwen3ForCausalLM"]}, source="t/config.json")
 
 
 @pytest.mark.parametrize("change,expected", [

@@ -71,6 +71,11 @@ def test_jsonl_name_means_jsonl(tiny, tmp_path, capsys):
     txt = tmp_path / "p.txt"
     txt.write_text(lines)
     assert [r["prompt"] for r in read_prompt_file(str(txt))] == ["def f(x):", '{"prompt": "a"}']
+    # A plain-text file whose first line only starts with "{" (code) is plain text too: it
+    # was refused as invalid JSON on line 1
+    txt.write_text("{x: 1 for x in y}\ndef g():\n")
+    assert [r["prompt"] for r in read_prompt_file(str(txt))] == ["{x: 1 for x in y}",
+                                                                  "def g():"]
     p.write_text('\n{"prompt": "a"}\nnot json\n')  # blank lines keep their numbers
     with pytest.raises(Exception, match="line 3: not valid JSON"):
         read_prompt_file(str(p))

@@ -70,6 +70,11 @@ def test_parse_bytes(text: str, value: int) -> None:
     assert parse_bytes(text) == value
 
 
+def test_a_size_under_one_byte_says_so() -> None:
+    with pytest.raises(ConfigError, match=r"--kv-cache-memory='0.5' is 0 bytes; give one byte"):
+        parse_bytes("0.5", "--kv-cache-memory")
+
+
 def test_entry_returns_2_with_one_line_and_no_traceback(capsys: pytest.CaptureFixture) -> None:
     assert main(["--attn-dp-size", "3", "--tp-size", "8", "--plan"]) == 2
     err = capsys.readouterr().err
