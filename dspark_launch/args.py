@@ -364,17 +364,14 @@ def validate_server_flags(ns: argparse.Namespace, parser: argparse.ArgumentParse
         if getattr(ns, flag):
             raise ConfigError(f"--{flag} does not apply to `serve` (requests come over HTTP)")
     # Accepted and ignored before: a server given --temperature 0.7 answered greedily
-    for name, why in (("temperature", "sampling"), ("top_p", "sampling"),
-                      ("top_k", "sampling"), ("max_new_tokens", "sampling"),
-                      ("metrics_json", "output"), ("overwrite", "output"),
-                      ("progress", "output")):
-        if getattr(ns, name) != parser.get_default(name):
-            flag = "--" + name.replace("_", "-")
-            raise ConfigError(
-                f"{flag} does not apply to `serve`: " + (
-                    "each request sets its own (unset fields take the checkpoint's "
-                    "generation_config.json)" if why == "sampling" else
-                    "it writes no job output (its metrics are at GET /metrics)"))
+    for names, why in (
+            (("temperature", "top_p", "top_k", "max_new_tokens"), "each request sets its own "
+             "(unset fields take the checkpoint's generation_config.json)"),
+            (("metrics_json", "overwrite", "progress"), "it writes no job output (its "
+             "metrics are at GET /metrics)")):
+        for name in names:
+            if getattr(ns, name) != parser.get_default(name):
+                raise ConfigError(f"--{name.replace('_', '-')} does not apply to `serve`: {why}")
     if not 0 <= ns.port <= 65535:
         raise ConfigError(f"--port={ns.port} must be in [0, 65535]")
     require_positive("--max-queued-requests", ns.max_queued_requests)

@@ -72,7 +72,6 @@ class EngineArgs:
             require_positive(name, getattr(self, name))
 
 
-
 @dataclass(frozen=True)
 class Checkpoints:
     model: str
@@ -179,15 +178,15 @@ def build_engine(args: EngineArgs) -> Engine:
     failure.inject_fault(state.rank, "budget")  # test hook: a budget error on one rank only
     round_rows = max(1 + parts.max_drafts, parts.block_rows)
     model_limit = args.context_length or target.config.max_position_embeddings
+    if model_limit < 2:
+        raise ConfigError(f"a context of {model_limit} tokens (--context-length, or the "
+                          f"model's max_position_embeddings) holds no prompt and a new token; "
+                          f"give 2 or more")
     step = step_shape(args, target.config, target.dtype, parts.max_drafts, parts.block_rows,
                       parts.draft)
     plan = configure_memory(args, target_geometry(target), parts.geometry, device, free_before,
                             step, model_limit + round_rows)
     context_limit = min(model_limit, plan.max_total_tokens - round_rows + 1)
-    if model_limit < 2:
-        raise ConfigError(f"a context of {model_limit} tokens (--context-length, or the "
-                          f"model's max_position_embeddings) holds no prompt and a new token; "
-                          f"give 2 or more")
     if context_limit < 2:
         raise ConfigError(
             f"the KV pool holds {plan.max_total_tokens} tokens per rank, too few for one "

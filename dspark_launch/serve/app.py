@@ -238,15 +238,15 @@ def build_app(info: ModelInfo, bridge: RequestBridge, metrics: ServerMetrics,
     app.post("/v1/completions")(handlers.completions)
     app.post("/v1/chat/completions")(handlers.chat)
 
+    card = p.ModelCard(id=info.name, created=created, max_model_len=info.context_limit)
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        card = p.ModelCard(id=info.name, created=created, max_model_len=info.context_limit)
         return JSONResponse(p.ModelList(data=[card]).model_dump())
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str) -> JSONResponse:
         check_model(name, info)
-        card = p.ModelCard(id=info.name, created=created, max_model_len=info.context_limit)
         return JSONResponse(card.model_dump())
 
     @app.get("/health")
