@@ -19,6 +19,15 @@ import torch
 from dspark_launch.errors import ConfigError
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
+# What transformers puts where config.json leaves a field out (Qwen3Config, LlamaConfig): the
+# same checkpoint must mean the same model here. None: derived (hidden / heads; heads).
+_MISSING = {
+    "Qwen3ForCausalLM": {"head_dim": 128, "num_key_value_heads": 32,
+                         "max_position_embeddings": 32768},
+    "LlamaForCausalLM": {"head_dim": None, "num_key_value_heads": None,
+                         "max_position_embeddings": 2048},
+}
+DEFAULT_ROPE_THETA = 10000.0  # transformers' default_theta where no config sets one
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -100,7 +109,9 @@ class ModelConfig:
         try:
             heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])
-            head_dim = raw.get("head_dim") or hidden // heads
+            missing = _MISSING[arch]
+            head_dim = raw.get("head_dim", missing["head_dim"]) or hidden // heads
+            kv_heads = raw.get("num_key_value_heads", missing["num_key_value_heads"]) or heads
             cfg = cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
@@ -108,11 +119,12 @@ class ModelConfig:
                 intermediate_size=int(raw["intermediate_size"]),
                 num_hidden_layers=int(raw["num_hidden_layers"]),
                 num_attention_heads=heads,
-                num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+                num_key_value_heads=int(kv_heads),
                 head_dim=int(head_dim),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=_rope_theta(raw, source),
-                max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+                max_position_embeddings=int(raw.get("max_position_embeddings",
+                                                    missing["max_position_embeddings"])),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 attention_bias=bool(raw.get("attention_bias", False)),
                 dtype=parse_dtype(raw.get("dtype") or raw.get("torch_dtype")),
@@ -128,7 +140,11 @@ class ModelConfig:
                                                  "num_hidden_layers", "num_attention_heads",
                                                  "num_key_value_heads", "head_dim")}
         if bad := {k: v for k, v in sizes.items() if v < 1}:
-            raise ConfigError(f"{source}: {bad} must be >= 1")
+            raise ConfigError(f"{source}: " + ", ".join(f"{k}={v}" for k, v in bad.items())
+                              + " must be >= 1")
+        if cfg.head_dim % 2:
+            raise ConfigError(f"{source}: head_dim={cfg.head_dim} must be even (rotary "
+                              f"embeddings turn pairs of dimensions)")
         if heads % cfg.num_key_value_heads:
             raise ConfigError(f"{source}: num_attention_heads={heads} is not a multiple of "
                               f"num_key_value_heads={cfg.num_key_value_heads}")
@@ -179,10 +195,15 @@ def _rope_theta(raw: Mapping[str, Any], source: str) -> float:
         if kind not in ("default", None):
             raise ConfigError(f"{source}: rope scaling type {kind!r} is not supported "
                               f"(only 'default')")
-    theta = raw.get("rope_theta", params.get("rope_theta"))
-    if theta is None:
-        raise ConfigError(f"{source}: neither rope_theta nor rope_parameters.rope_theta is set")
-    return float(theta)
+    # Two values that disagree are refused: transformers' versions read them in other orders.
+    given = {name: value for name, value in (
+        ("rope_theta", raw.get("rope_theta")),
+        ("rope_parameters.rope_theta", params.get("rope_theta")),
+        ("rope_scaling.rope_theta", scaling.get("rope_theta"))) if value is not None}
+    if len({float(v) for v in given.values()}) > 1:
+        raise ConfigError(f"{source}: " + " and ".join(f"{k}={v}" for k, v in given.items())
+                          + " disagree; keep one")
+    return float(next(iter(given.values()), DEFAULT_ROPE_THETA))
 
 
 def _eos_ids(generation: Mapping[str, Any] | None, raw: Mapping[str, Any]) -> tuple[int, ...]:

@@ -22,7 +22,7 @@ from .dflash import DFlashDraft
 from .draft_config import DSPARK, DraftConfig, validate_against_target
 from .dspark import DSparkDraft
 from .layers.embedding import VocabParallelEmbedding
-from .loader import checkpoint_files, load_weights
+from .loader import checkpoint_files, listed, load_weights
 from .qwen3 import CausalLM
 
 # Scoped to the layer's sub-module, so DSpark's `markov_head.gate_proj` is not mistaken for
@@ -164,7 +164,6 @@ def load_draft(path: str | Path, target_config: ModelConfig,
     if extra:
         # A tensor we would ignore means the config and weights disagree about the
         # architecture (e.g. a gated head's gate_proj under markov_head_type="vanilla").
-        shown = ", ".join(repr(k) for k in extra[:8]) + (" ..." if len(extra) > 8 else "")
         raise ConfigError(f"{source}: {cfg.kind} checkpoint has {len(extra)} tensor(s) the "
-                          f"config does not describe: {shown}")
+                          f"config does not describe: {listed(extra)}")
     return model.eval()

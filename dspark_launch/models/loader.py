@@ -19,6 +19,7 @@ from safetensors import safe_open
 from torch import nn
 
 from dspark_launch.errors import ConfigError
+from dspark_launch.log import logger
 from dspark_launch.parallel import get_parallel
 
 from .config import ModelConfig, parse_dtype
@@ -131,9 +132,14 @@ def load_weights(module: nn.Module, path: str | Path,
                 todo.pop((name, shard), None)
     if todo:
         names = sorted(todo.values())
-        shown = ", ".join(repr(n) for n in names[:8]) + (" ..." if len(names) > 8 else "")
-        raise ConfigError(f"{path}: checkpoint is missing {len(names)} tensor(s): {shown}")
+        raise ConfigError(f"{path}: checkpoint is missing {len(names)} tensor(s): "
+                          f"{listed(names)}")
     return unused
+
+
+def listed(names: list[str], limit: int = 8) -> str:
+    """The first `limit` tensor names for a message, quoted, then "..." if there are more."""
+    return ", ".join(repr(n) for n in names[:limit]) + (" ..." if len(names) > limit else "")
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
@@ -146,5 +152,12 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
     p = get_parallel()
     config.check_topology(p.tp_size, p.attn_tp_size)
     model = CausalLM(config, parse_dtype(dtype, default=config.dtype), device)
-    load_weights(model, path)
+    unused = load_weights(model, path)
+    # Tensors the config leaves out (a Llama's q/k/v biases without attention_bias) are
+    # ignored, as transformers ignores them, and named, as it names them; a tied model's
+    # lm_head copy and old rotary tables are expected.
+    tied = ("lm_head.weight",) if config.tie_word_embeddings else ()
+    if extra := sorted(k for k in unused if k not in tied and not k.endswith("inv_freq")):
+        logger.warning("%s: %d checkpoint tensor(s) the config does not describe were not "
+                       "loaded: %s", path, len(extra), listed(extra))
     return model.eval()

@@ -101,3 +101,30 @@ def test_dtype_auto_and_override(tmp_path):
         want = load_hf(path)(torch.tensor([PROMPTS[0]])).logits[0]
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
 
+
+
+def test_tensors_the_config_leaves_out_are_named_and_ignored_as_hf_does(tmp_path, caplog,
+                                                                        monkeypatch):
+    """A Llama checkpoint with q/k/v/o biases whose config says attention_bias=false: both
+    transformers and the engine run without them (same logits), and the engine now names the
+    tensors it left unloaded (it dropped them without a word)."""
+    import json
+    import logging
+
+    path = write_checkpoint(tmp_path, arch="llama", attention_bias=True, seed=4)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "attention_bias": False}))
+    hf = load_hf(path)
+    from dspark_launch.log import logger
+
+    # A job run earlier in this process (setup_logging) stops propagation to caplog.
+    monkeypatch.setattr(logger, "propagate", True)
+    with override_parallel(1), caplog.at_level(logging.WARNING, logger="dspark_launch"):
+        model = load_model(path, "float32")
+        _, prefill = generate(model, PROMPTS[:1], 1)
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPTS[0]])).logits[0]
+    torch.testing.assert_close(prefill[0], want, atol=ATOL, rtol=RTOL)
+    warned = [r.getMessage() for r in caplog.records if "not loaded" in r.getMessage()]
+    assert len(warned) == 1 and "8 checkpoint tensor(s)" in warned[0]
+    assert "'model.layers.0.self_attn.k_proj.bias'" in warned[0]
