@@ -13,6 +13,7 @@ from pathlib import Path
 from dspark_launch.engine.params import ParamError, SamplingParams, outside_vocab, refusal
 from dspark_launch.engine.request import RequestSpec
 from dspark_launch.errors import ConfigError
+from dspark_launch.log import logger
 
 # Code windows from the embedded model's held-out files (scripts/make_prompts.py).
 BUILTIN_PROMPTS = Path(__file__).resolve().parent.parent / "assets" / "prompts" / "heldout.jsonl"
@@ -50,6 +51,15 @@ def read_prompt_file(path: str) -> list[dict]:
     return rows
 
 
+# What a line may set beyond its prompt: the token-level fields the engine applies (the flags
+# give the defaults). max_new_tokens is the job's name for max_tokens; either is taken.
+LINE_SAMPLING = ("temperature", "top_p", "top_k", "seed", "min_tokens", "stop_token_ids",
+                 "ignore_eos")
+LINE_KEYS = ("prompt", "input_ids", "id", "max_new_tokens", "max_tokens", *LINE_SAMPLING)
+# Request fields of the server and the LLM API that work on text, which a job never makes.
+TEXT_ONLY = ("stop", "include_stop_str_in_output", "skip_special_tokens")
+
+
 def _field(row: dict, key: str, kind, default, where: str):
     value = row.get(key, default)
     if value is default:
@@ -80,15 +90,23 @@ def build_specs(
     top_p: float = 1.0,
 ) -> list[RequestSpec]:
     specs: list[RequestSpec] = []
+    unknown: dict[str, list[int]] = {}  # key -> lines: metadata, or a misspelt field
+    defaults = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
     for index, row in enumerate(rows):
-        where = f"{source} line {row.get('_line', index + 1)}"
-        mnt = _field(row, "max_new_tokens", int, max_new_tokens, where)
-        temp = _field(row, "temperature", float, temperature, where)
-        seed = _field(row, "seed", int, None, where)
+        line = row.get("_line", index + 1)
+        where = f"{source} line {line}"
+        for key in row.keys() - {"_line", *LINE_KEYS}:
+            if key in TEXT_ONLY:
+                raise ConfigError(f"{where}: {key!r} works on text, which the server and the "
+                                  f"LLM API make and a job does not (a job stops at EOS, "
+                                  f"max_new_tokens and stop_token_ids)")
+            unknown.setdefault(key, []).append(line)
+        if "max_new_tokens" in row and "max_tokens" in row:
+            raise ConfigError(f"{where}: give max_new_tokens or max_tokens, not both")
+        name = "max_tokens" if "max_tokens" in row else "max_new_tokens"
+        mnt = _field(row, name, int, max_new_tokens, where)
         if mnt <= 0:
-            raise ConfigError(f"{where}: max_new_tokens={mnt} must be >= 1")
-        if temp < 0:
-            raise ConfigError(f"{where}: temperature={temp} must be >= 0")
+            raise ConfigError(f"{where}: {name}={mnt} must be >= 1")
         text = row.get("prompt")
         if "input_ids" in row:
             ids = row["input_ids"]
@@ -106,11 +124,15 @@ def build_specs(
                                   f"tokenizer.json (or give input_ids)")
             ids = tokenizer.encode(text).ids if text else []
         try:
-            params = SamplingParams(max_tokens=mnt, temperature=temp, top_k=top_k,
-                                    top_p=top_p, seed=seed)
+            params = SamplingParams(max_tokens=mnt, **{
+                **defaults, **{k: row[k] for k in LINE_SAMPLING if k in row}})
         except ParamError as err:
             raise ConfigError(f"{where}: {err}") from None
         specs.append(RequestSpec(
             index=index, rid=str(row.get("id", index)), prompt_ids=tuple(ids), params=params,
             prompt_text=text, refused=refusal(ids, params, context_limit, vocab_size)))
+    if unknown:
+        named = ", ".join(f"{k!r} ({len(v)} line{'s' if len(v) > 1 else ''} from line {v[0]})"
+                          for k, v in sorted(unknown.items()))
+        logger.warning("%s: ignored %s: a line takes %s", source, named, ", ".join(LINE_KEYS))
     return specs

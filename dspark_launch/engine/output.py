@@ -92,7 +92,8 @@ def sampling_record(spec: RequestSpec) -> dict:
     """The settings a request ran with, as its output line keeps them (for --resume)."""
     p = spec.params
     return {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p,
-            "top_k": p.top_k, "seed": p.seed}
+            "top_k": p.top_k, "seed": p.seed, "min_tokens": p.min_tokens,
+            "stop_token_ids": list(p.stop_token_ids), "ignore_eos": p.ignore_eos}
 
 
 def _differs(record: dict, spec: RequestSpec) -> str | None:
@@ -104,10 +105,10 @@ def _differs(record: dict, spec: RequestSpec) -> str | None:
         same = record.get("input_ids") == list(spec.prompt_ids)
     if not same:
         return "another prompt than this job's"
-    ran, asked = record.get("sampling"), sampling_record(spec)
-    if ran is not None and ran != asked:
-        changed = ", ".join(f"{k}={ran.get(k)!r} (now {v!r})" for k, v in asked.items()
-                            if ran.get(k) != v)
+    # A record keeps the settings of its version: those it has are compared.
+    ran, asked = record.get("sampling") or {}, sampling_record(spec)
+    if changed := ", ".join(f"{k}={ran[k]!r} (now {v!r})" for k, v in asked.items()
+                            if k in ran and ran[k] != v):
         return f"with other sampling settings: {changed}"
     return None
 
@@ -209,8 +210,10 @@ def _percentile(values: list[float], q: float) -> float | None:
     return values[k]
 
 
-def summarize(records: list[dict], wall_s: float, extra: dict) -> dict:
-    """The rank-0 summary: throughput, tau and its histogram, latency percentiles."""
+def summarize(records: list[dict], wall_s: float, extra: dict, prefix_cache: bool = True
+              ) -> dict:
+    """The rank-0 summary: throughput, tau and its histogram, latency percentiles, and the
+    prefix cache's hit rate (None without a cache)."""
     ran = [r for r in records if r["finish_reason"] != "refused"]
     rounds = [n for r in ran for n in r["accept_lens"]]
     out_tokens = sum(r["completion_tokens"] for r in ran)
@@ -236,7 +239,8 @@ def summarize(records: list[dict], wall_s: float, extra: dict) -> dict:
         # Prefill positions taken from the prefix cache vs computed, over every admission.
         "cached_tokens": cached,
         "prefill_tokens": computed,
-        "prefix_hit_rate": cached / (cached + computed) if cached + computed else None,
+        "prefix_hit_rate": cached / (cached + computed) if prefix_cache and cached + computed
+        else None,
         **extra,
     }
 

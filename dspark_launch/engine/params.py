@@ -42,8 +42,11 @@ class SamplingParams:
         # Accept lists/strings where tuples are meant (JSON and user code hand those in).
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name) or ()
+            if not isinstance(value, (list, tuple)):
+                raise ParamError(name, f"{name}={value!r}: must be a list")
+            object.__setattr__(self, name, tuple(value))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self.validate()
@@ -73,6 +76,9 @@ class SamplingParams:
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                    for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of non-negative token ids")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be true or false")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
                 or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}]")

@@ -181,6 +181,9 @@ def test_resume_refuses_a_file_that_is_no_output_of_this_job(tiny, tmp_path, cap
     other = write_prompts(tmp_path / "q.jsonl", [{"input_ids": [7, 8]}, {"input_ids": [5, 6]}])
     hot = write_prompts(tmp_path / "hot.jsonl", [{"input_ids": [3, 4], "temperature": 1.0},
                                                  {"input_ids": [5, 6]}])
+    stops = write_prompts(tmp_path / "stops.jsonl", [{"input_ids": [3, 4],
+                                                      "stop_token_ids": [9]},
+                                                     {"input_ids": [5, 6]}])
     notes, noindex = tmp_path / "notes.txt", tmp_path / "noindex.jsonl"
     notes.write_text("my notes\nline two\n")
     noindex.write_text(out.read_text() + '{"note": "hand edit"}\n')
@@ -189,6 +192,7 @@ def test_resume_refuses_a_file_that_is_no_output_of_this_job(tiny, tmp_path, cap
             (p, noindex, ("line 3 is no request record",)),
             (other, out, ("line 1: request 0", "another prompt")),
             (hot, out, ("line 1: request 0", "temperature=0.0 (now 1.0)")),
+            (stops, out, ("line 1: request 0", "stop_token_ids=[] (now [9])")),
             (p, p, ("line 1 is no request record",))]:  # the --prompts file
         before = output.read_text()
         rc, err = run_main([*base, "--prompts", str(prompts), "--output", str(output),
@@ -198,8 +202,14 @@ def test_resume_refuses_a_file_that_is_no_output_of_this_job(tiny, tmp_path, cap
         assert output.read_text() == before
     # The job's own file, its last line torn by a crash, still resumes: that request runs
     # again, the finished one stays.
+    # A record of round 40, whose "sampling" lacks the settings kept since, resumes too.
+    import json
+
     lines = out.read_text().splitlines()
-    out.write_text(lines[0] + "\n" + lines[1][:10])
+    first = json.loads(lines[0])
+    for key in ("min_tokens", "stop_token_ids", "ignore_eos"):
+        del first["sampling"][key]
+    out.write_text(json.dumps(first) + "\n" + lines[1][:10])
     assert run_main([*base, "--prompts", str(p), "--output", str(out), "--resume"],
                     capsys)[0] == 0
     assert [r["index"] for r in read_jsonl(out)] == [0, 1]
@@ -222,6 +232,28 @@ def test_bad_values_that_were_tracebacks(tiny, tmp_path, capsys, argv, needle):
                         *argv], capsys)
     assert rc == 2, err
     assert_one_line_error(err, needle)
+
+
+@pytest.mark.parametrize("row,needle", [
+    ({"stop": ["\n"]}, "line 1: 'stop' works on text"),
+    ({"max_tokens": 3, "max_new_tokens": 3}, "line 1: give max_new_tokens or max_tokens"),
+    ({"max_tokens": 0}, "line 1: max_tokens=0 must be >= 1"),
+    ({"ignore_eos": "yes"}, "line 1: ignore_eos='yes': must be true or false"),
+    ({"stop_token_ids": 5}, "line 1: stop_token_ids=5: must be a list"),
+    ({"top_p": 0}, "line 1: top_p=0: must be in (0, 1]"),
+    ({"top_k": 1.5}, "line 1: top_k=1.5: must be an integer >= 0"),
+    ({"min_tokens": 9}, "line 1: min_tokens=9: must be an integer in [0, max_tokens=2]"),
+])
+def test_bad_per_line_fields(tiny, tmp_path, capsys, row, needle):
+    """Each line field is checked as the server checks it; a text-level field is refused by
+    name (a job writes tokens, not cut text), not ignored."""
+    p = write_prompts(tmp_path / "p.jsonl", [{"input_ids": [3, 4], **row}])
+    out = tmp_path / "out.jsonl"
+    rc, err = run_main([*model_args(tiny, "NONE"), "--prompts", str(p), "--output", str(out),
+                        "--max-new-tokens", "2", *AMPLE], capsys)
+    assert rc == 2, err
+    assert_one_line_error(err, needle)
+    assert not out.exists()
 
 
 def _expect_exit_2(rank, argv):

@@ -198,6 +198,49 @@ def test_jsonl_and_metrics_complete(tiny, tmp_path):
     assert m["algorithm"] == "NGRAM"
 
 
+def test_per_line_sampling_fields_match_hf(tiny, tmp_path, capsys):
+    """A JSONL line sets any token-level field (max_tokens, stop_token_ids, min_tokens,
+    ignore_eos, top_k, top_p): each was silently ignored before. Oracle: HF greedy generate
+    with the same stops; top_k=1 and a tiny top_p at T=1 sample the argmax, i.e. greedy."""
+    from checkpoints import load_hf
+
+    hf = load_hf(tiny.target)
+
+    def greedy(ids: list[int], n: int, stops=(1,), min_new: int = 0) -> list[int]:
+        x = torch.tensor([ids])
+        return hf.generate(x, max_new_tokens=n, min_new_tokens=min_new, do_sample=False,
+                           eos_token_id=list(stops), pad_token_id=0)[0, x.shape[1]:].tolist()
+
+    prompts = [r["input_ids"] for r in read_jsonl(tiny.prompts64)]
+    # A prompt whose greedy continuation meets EOS (1), for ignore_eos.
+    eos = next(p for p in prompts if 1 in greedy(p, 8, stops=(-1,))[1:])
+    p0, p1 = prompts[0], prompts[1]
+    stop = greedy(p1, 8)[2]
+    rows = [{"input_ids": p0, "max_tokens": 5},
+            {"input_ids": p1, "stop_token_ids": [stop]},
+            {"input_ids": p1, "stop_token_ids": [stop], "min_tokens": 4},
+            {"input_ids": p0, "temperature": 1.0, "top_k": 1, "seed": 3},
+            {"input_ids": p1, "temperature": 1.0, "top_p": 1e-30},
+            {"input_ids": eos, "ignore_eos": True},
+            {"input_ids": eos, "answer": 42}]
+    job = run_job(tmp_path, "lines", [*model_args(tiny, "NGRAM"), "--prompts",
+                                      str(write_prompts(tmp_path / "p.jsonl", rows)),
+                                      "--max-new-tokens", "8", *AMPLE])
+    assert job.rcs == [0]
+    assert job.outputs == [greedy(p0, 5), greedy(p1, 8, (1, stop)),
+                           greedy(p1, 8, (1, stop), min_new=4), greedy(p0, 8), greedy(p1, 8),
+                           greedy(eos, 8, stops=(-1,)), greedy(eos, 8)]
+    assert job.outputs[1][-1] == stop and stop not in job.outputs[2][:3]
+    assert len(job.outputs[5]) == 8 and len(job.outputs[6]) < 8
+    kept = [r["sampling"] for r in job.records]
+    assert kept[1]["stop_token_ids"] == [stop] and kept[2]["min_tokens"] == 4
+    assert kept[3]["top_k"] == 1 and kept[5]["ignore_eos"] is True
+    # A key the job does not take is named once, with what a line takes; the line runs.
+    warned = [x for x in capsys.readouterr().err.splitlines() if "ignored" in x]
+    assert len(warned) == 1 and "'answer' (1 line from line 7)" in warned[0]
+    assert "stop_token_ids" in warned[0]
+
+
 def test_stdout_without_output_file(tiny, tmp_path, capsys):
     from dspark_launch.__main__ import main
 
