@@ -12,6 +12,7 @@ same results (LLM.generate relies on that).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -39,7 +40,7 @@ class CompletionOutput:
     ttft_s: float | None = None
     tpot_s: float | None = None
     preemptions: int = 0
-    cached_tokens: int = 0  # prompt positions served from the prefix cache
+    cached_tokens: int = 0  # prompt positions served from the prefix cache (first admission)
     error: str | None = None  # why the engine refused the request (finish_reason "refused")
 
     @property
@@ -127,7 +128,8 @@ class OutputProcessor:
                 stop_reason) -> CompletionDelta:
         del self._tracked[out.rid]
         accept = _cut_rounds(req.accept_lens, len(req.token_ids))
-        first, end, arrival = out.first_token_at, out.finished_at, out.arrival
+        # A stop string ends the request here, before the engine does: it ends now.
+        first, end, arrival = out.first_token_at, out.finished_at or time.time(), out.arrival
         n = len(req.token_ids)
         result = CompletionOutput(
             rid=out.rid, index=out.index, prompt_token_ids=req.prompt_ids,
@@ -136,7 +138,7 @@ class OutputProcessor:
             ttft_s=(first - arrival) if first is not None and arrival is not None else None,
             tpot_s=(end - first) / (n - 1) if first is not None and end is not None and n > 1
             else None,
-            preemptions=out.preemptions, cached_tokens=out.cached_tokens,
+            preemptions=out.preemptions, cached_tokens=out.cached_prompt_tokens,
             error=getattr(out, "error", None))
         return CompletionDelta(out.rid, out.index, text, new_ids, result)
 

@@ -405,6 +405,9 @@ class Engine:
             else:
                 defer = prefill_rows if not any(widths) else None
                 self.proposer.materialize(captured, meta.positions, meta.out_rows, defer)
+        if self._dormant and self.proposer.capture_layer_ids:
+            for req in plan.decode:  # its anchor's draft context is never written
+                req.draft_hole = req.kv_len if req.draft_hole is None else req.draft_hole
         firsts = [r.kv_len + n == r.fill_len and not r.output_ids for r, n in plan.prefill]
         layout = LogitRows.of(plan.prefill, firsts, plan.decode, widths)
         first, accept_len, committed = [], [], []

@@ -53,6 +53,9 @@ class RequestOutput:
     preemptions: int
     cached_tokens: int = 0  # prefill positions taken from the prefix cache (all admissions)
     prefill_tokens: int = 0  # prefill positions computed (recomputation after preemption too)
+    # Prompt positions the first admission took from the prefix cache: OpenAI's
+    # usage.prompt_tokens_details.cached_tokens (a readmission's hits are recomputation saved).
+    cached_prompt_tokens: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
     error: str | None = None  # the refusal reason when finish_reason == "refused"
@@ -66,6 +69,9 @@ class Request:
     status: Status = Status.WAITING
     slot: int | None = None  # request slot in the request->token table
     kv_len: int = 0  # positions whose target (and draft) K/V are in the pools
+    # The first position whose draft context a dormant step left out (None: none). The
+    # prefix cache takes only pages below it: a cached page holds both pools' K/V.
+    draft_hole: int | None = None
     output_ids: list[int] = field(default_factory=list)
     reported: int = 0  # output_ids already returned by step()
     finish_reason: str | None = None
@@ -74,6 +80,7 @@ class Request:
     preemptions: int = 0
     cached_tokens: int = 0  # prefill positions taken from the prefix cache (all admissions)
     prefill_tokens: int = 0  # prefill positions computed (recomputation after preemption too)
+    cached_prompt_tokens: int = 0  # those of the first admission (RequestOutput)
     first_token_at: float | None = None
     finished_at: float | None = None
     draft_time: float = 0.0
@@ -115,6 +122,12 @@ class Request:
         return self.output_ids[-1]
 
     @property
+    def cacheable_ids(self) -> list[int]:
+        """The ids at the positions whose K/V both pools hold: what the prefix cache may take."""
+        hole = self.kv_len if self.draft_hole is None else min(self.kv_len, self.draft_hole)
+        return self.all_ids[:hole]
+
+    @property
     def all_ids(self) -> list[int]:
         return list(self.spec.prompt_ids) + self.output_ids
 
@@ -137,7 +150,8 @@ class Request:
             accept_lens=tuple(self.accept_lens), arrival=self.arrival,
             first_token_at=self.first_token_at, finished_at=self.finished_at,
             preemptions=self.preemptions, cached_tokens=self.cached_tokens,
-            prefill_tokens=self.prefill_tokens, draft_s=self.draft_time,
+            prefill_tokens=self.prefill_tokens, cached_prompt_tokens=self.cached_prompt_tokens,
+            draft_s=self.draft_time,
             verify_s=self.verify_time)
 
 

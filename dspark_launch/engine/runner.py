@@ -162,7 +162,7 @@ def run_job(args: EngineArgs, job: JobArgs) -> int:
             "context_limit": engine.context_limit,
             "dtype": str(target.dtype).replace("torch.", ""),
             "speculative_policy": policy,
-        })
+        }, prefix_cache=engine.space.cache is not None)
         logger.info("summary:\n%s", format_summary(summary))
         if job.metrics_json:
             Path(job.metrics_json).write_text(json.dumps(summary, indent=2))

@@ -122,6 +122,8 @@ class Scheduler:
             self.waiting.popleft()
             req.slot, req.status, req.kv_len = slot, Status.RUNNING, cached
             req.cached_tokens += cached
+            if req.admitted_seq < 0:  # its first admission: the fill is the prompt
+                req.cached_prompt_tokens = cached
             req.prefill_tokens += n
             req.admitted_seq, self._admitted = self._admitted, self._admitted + 1
             self.running.append(req)
@@ -170,10 +172,11 @@ class Scheduler:
     def preempt(self, req: Request) -> None:
         self._preempted_now = True
         # Its computed prefix stays in the cache: re-admission finds it (unless evicted).
-        self.space.cache_prefix(req.slot, req.all_ids[:req.kv_len])
+        self.space.cache_prefix(req.slot, req.cacheable_ids)
         self.space.free_slot(req.slot)
         self.running.remove(req)
-        req.slot, req.status, req.kv_len = None, Status.WAITING, 0
+        # Recomputed from the cached prefix on: its prefill writes the draft context anew.
+        req.slot, req.status, req.kv_len, req.draft_hole = None, Status.WAITING, 0, None
         req.preemptions += 1
         self.waiting.appendleft(req)
 
@@ -193,7 +196,7 @@ class Scheduler:
 
     def finish(self, req: Request) -> None:
         if req.slot is not None:
-            self.space.cache_prefix(req.slot, req.all_ids[:req.kv_len])
+            self.space.cache_prefix(req.slot, req.cacheable_ids)
             self.space.free_slot(req.slot)
         self.running.remove(req)
         req.slot, req.status = None, Status.FINISHED

@@ -6,7 +6,8 @@ always starting at a page boundary, so a prefix's K/V sits at the same positions
 request) and its value is the page ids. The cache owns no memory of its own: its pages come
 from the group's PageAllocator (inside the priced pools) and go back to it when evicted. Both
 pools index the same rows, so a cached page holds the target's K/V and the draft's context
-K/V for those positions at once.
+K/V for those positions at once (a request hands over only pages whose draft context was
+written: Request.cacheable_ids).
 
 Ownership: every allocated page has exactly one owner, either the tree (pages of a node) or
 one request slot (its private pages). A running request that uses cached pages locks the path

@@ -46,7 +46,9 @@ def usage(outs: list[CompletionOutput]) -> p.Usage:
     prompt = sum(len(o.prompt_token_ids) for o in outs)
     completion = sum(len(o.token_ids) for o in outs)
     return p.Usage(prompt_tokens=prompt, completion_tokens=completion,
-                   total_tokens=prompt + completion)
+                   total_tokens=prompt + completion,
+                   prompt_tokens_details=p.PromptTokensDetails(
+                       cached_tokens=sum(o.cached_tokens for o in outs)))
 
 
 def sse(model: BaseModel | str) -> str:

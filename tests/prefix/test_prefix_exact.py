@@ -18,7 +18,16 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-from jobs import Probe, model_args, read_jsonl, reference, run_job, topology, write_prompts
+from jobs import (
+    Probe,
+    model_args,
+    prompt_ids,
+    read_jsonl,
+    reference,
+    run_job,
+    topology,
+    write_prompts,
+)
 
 MAX_NEW = 12
 BLOCK = 4
@@ -118,6 +127,7 @@ def test_cache_changes_no_output_and_no_accept_length(tiny, tmp_path, algorithm,
     assert [r["accept_lens"] for r in on.records] == [r["accept_lens"] for r in off.records]
     # The cache was used, evicted from, and requests were preempted with it on.
     assert on.metrics["cached_tokens"] > 0 and off.metrics["cached_tokens"] == 0
+    assert off.metrics["prefix_hit_rate"] is None  # no cache: no "hit rate 0.0%" line
     assert on.metrics["prefill_tokens"] < off.metrics["prefill_tokens"]
     assert sum(r["preemptions"] for r in on.records) > 0
     assert sum(p["cache"]["evicted_pages"] for p in on.probes) > 0
@@ -181,3 +191,73 @@ def test_sampled_outputs_are_the_same_with_and_without_the_cache(tiny, tmp_path,
     assert on.outputs == off.outputs
     assert [r["accept_lens"] for r in on.records] == [r["accept_lens"] for r in off.records]
     assert on.metrics["cached_tokens"] > 0
+
+
+def _dormant_first_turns(rank: int, args, firsts: list[list[int]], extra: list[int]) -> dict:
+    """First turns decoded dormant (nobody drafts, the anchors' draft context is left out, as
+    a ladder settled at plain decoding does), then second turns (prompt + answer + extra)
+    with every draft verified: once hitting the cache, once after a flush."""
+    from jobs import spec
+
+    from dspark_launch.args import RunConfig
+    from dspark_launch.engine.build import build_engine
+    from dspark_launch.parallel import init_parallel_runtime
+
+    init_parallel_runtime(RunConfig(device="cpu"))
+    engine = build_engine(args)
+    policy, cap = engine.policy, engine.proposer.max_drafts
+
+    slept = []
+
+    def dormant(keys, classes, limits, base_tokens):
+        policy.dormant = True
+        slept.append(len(keys))
+        return [0] * len(limits)
+
+    def every_draft(keys, classes, limits, base_tokens):
+        policy.dormant = False
+        return list(limits)
+
+    def run(prompts: list[list[int]], base: int) -> list:
+        for i, p in enumerate(prompts):
+            engine.add_request(spec(base + i, p, max_tokens=MAX_NEW, temperature=0.0))
+        finals = {}
+        while len(finals) < len(prompts):
+            finals.update({o.index: o for o in engine.step() if o.finished})
+        return [finals[base + i] for i in range(len(prompts))]
+
+    policy.plan, policy.pick = dormant, (lambda classes: 0)
+    answers = [list(o.output_ids) for o in run(firsts, 0)]
+    dormant_steps = len(slept)
+    policy.plan, policy.pick = every_draft, (lambda classes: cap)
+    seconds = [f + a + extra for f, a in zip(firsts, answers)]
+    hit = run(seconds, 100)
+    engine.flush_prefix_cache()
+    fresh = run(seconds, 200)
+    engine.shutdown()
+    return {"dormant_steps": dormant_steps,
+            "hit": [(list(o.output_ids), list(o.accept_lens), o.cached_tokens) for o in hit],
+            "fresh": [(list(o.output_ids), list(o.accept_lens), o.cached_tokens)
+                      for o in fresh]}
+
+
+@pytest.mark.parametrize("algorithm", ["DFLASH", "DSPARK"])
+def test_rows_decoded_dormant_stay_out_of_the_cache(tiny, algorithm):
+    """A dormant step writes no draft context for its anchors; their pages went into the
+    cache all the same, so a second turn drafted from another request's stale context rows
+    (accept lengths moved with the cache on; sampled tokens could too). Now a request's
+    pages from its first dormant position on stay out: the second turn hits its first turn's
+    prompt only and drafts exactly as without the cache."""
+    from jobs import engine_args
+    from multirank import run_world
+
+    firsts = [p[:20] for p in prompt_ids(tiny.prompts12) if len(p) >= 20][:3]
+    draft = {"DFLASH": tiny.dflash, "DSPARK": tiny.dspark}[algorithm](BLOCK)
+    args = engine_args(tiny, algorithm, draft, speculative_policy="adaptive",
+                       profile_cost_curve="off", page_size=1)
+    (out,) = run_world(1, _dormant_first_turns, args, firsts, [5, 6, 7])
+    assert out["dormant_steps"] > 0
+    assert [o[:2] for o in out["hit"]] == [o[:2] for o in out["fresh"]]
+    assert [o[2] for o in out["hit"]] == [len(f) for f in firsts]
+    assert [o[2] for o in out["fresh"]] == [0, 0, 0]
+

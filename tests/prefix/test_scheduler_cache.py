@@ -88,6 +88,28 @@ def test_a_preempted_prefix_stays_cached_and_readmission_hits_it() -> None:
     assert plan.prefill == [(a, 1)] and a.cached_tokens == 19 and a.preemptions == 1
 
 
+def test_cached_prompt_tokens_are_the_first_admissions_hit() -> None:
+    """OpenAI's usage.prompt_tokens_details.cached_tokens and the Prometheus counter report
+    cached_prompt_tokens: what the cache served of the prompt. A readmission after a
+    preemption hits the request's own prompt and answer too (cached_tokens: recomputation
+    saved, the job's hit rate), which were reported as cached prompt tokens (a 46-token
+    prompt had 126)."""
+    s = make()
+    a = request(0, list(range(50, 70)))  # 20 tokens
+    s.waiting.append(a)
+    commit(s.schedule())
+    b = request(1, list(range(50, 70)) + [1])
+    s.waiting.append(b)
+    s.schedule()  # a's prompt is cached at the start of this step: b hits all of it
+    assert (b.cached_tokens, b.cached_prompt_tokens) == (20, 20)
+    a.output_ids += [8, 9, 10, 11, 12]  # 6 outputs; the last is the anchor
+    a.kv_len = 25
+    s.space.reserve(a.slot, a.kv_len)
+    s.preempt(a)
+    s.schedule()  # refills prompt + outputs but the anchor; all but the last are cached
+    assert (a.cached_tokens, a.cached_prompt_tokens) == (24, 0)
+
+
 def test_finish_caches_prompt_and_output_for_a_second_turn() -> None:
     s = make(page=4)
     a = request(0, list(range(1, 19)))  # 18 tokens

@@ -248,8 +248,12 @@ def test_metrics_and_models(server, client):
                  "dspark_prompt_tokens_total", "dspark_generation_tokens_total",
                  "dspark_time_to_first_token_seconds_bucket",
                  "dspark_time_per_output_token_seconds_bucket", "dspark_accept_length_bucket",
-                 "dspark_kv_pages_used"):
+                 "dspark_kv_pages_used", "dspark_kv_pages_capacity"):
         assert name in text
+    # Prometheus naming: _total is for counters (a gauge was named dspark_kv_pages_total)
+    gauges = [line.split()[2] for line in text.splitlines()
+              if line.startswith("# TYPE") and line.split()[3] == "gauge"]
+    assert gauges and not [g for g in gauges if g.endswith("_total")], gauges
     assert server.metric("dspark_generation_tokens_total") > 0
 
 
@@ -266,6 +270,7 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(server, client):
         time.sleep(0.2)
     gained = server.metric("dspark_prefix_cached_tokens_total") - before
     assert gained == second.usage.prompt_tokens - 1
+    assert second.usage.prompt_tokens_details.cached_tokens == gained  # OpenAI's field
     assert second.choices[0].text == first.choices[0].text
 
 
