@@ -96,7 +96,7 @@ class RunConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     max_queued_requests: int | None = None
-    shutdown_grace: float = 30.0
+    shutdown_grace: float = 20.0
     served_model_name: str | None = None
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
@@ -115,6 +115,11 @@ def build_parser(serve: bool = False) -> argparse.ArgumentParser:
         "runs as a world of one. `... -m dspark_launch serve [flags]` runs an OpenAI-compatible "
         "HTTP server instead of the offline job (`serve --help`).",
     )
+
+    def job(text: str | None) -> str | None:
+        """A job-only flag's help: none under `serve`, which refuses the flag by name."""
+        return argparse.SUPPRESS if serve else text
+
     g = p.add_argument_group("topology")
     g.add_argument("--tp-size", type=int, default=None,
                    help="tensor-parallel width (default: the torchrun world size)")
@@ -182,33 +187,35 @@ def build_parser(serve: bool = False) -> argparse.ArgumentParser:
     g.add_argument("--context-length", type=int, default=None,
                    help="longest prompt+output (default: the model's max_position_embeddings)")
     g.add_argument("--plan", action="store_true",
-                   help="print the per-rank memory plan for this topology and exit; reads "
-                   "config.json only, launches nothing")
-    g.add_argument("--json", action="store_true", help="with --plan: print JSON")
+                   help=job("print the per-rank memory plan for this topology and exit; reads "
+                            "config.json only, launches nothing"))
+    g.add_argument("--json", action="store_true", help=job("with --plan: print JSON"))
     g = p.add_argument_group("requests")
-    g.add_argument("--prompt", default=None, help="one prompt text")
+    g.add_argument("--prompt", default=None, help=job("one prompt text"))
     g.add_argument("--prompts", default=None,
-                   help="JSONL ({'prompt'|'input_ids', 'max_new_tokens', 'temperature', 'id'}) "
-                   "or plain text, one prompt per line")
-    g.add_argument("--max-new-tokens", type=int, default=128)
+                   help=job("JSONL ({'prompt'|'input_ids', 'id', and any of max_new_tokens, "
+                            "temperature, top_p, top_k, seed, min_tokens, stop_token_ids, "
+                            "ignore_eos}) or plain text, one prompt per line"))
+    g.add_argument("--max-new-tokens", type=int, default=128, help=job(None))
     g.add_argument("--chunked-prefill-size", type=int, default=512,
                    help="prefill tokens per step per attn_dp group")
     g.add_argument("--disable-mixed-chunk", action="store_true",
                    help="a step prefills or decodes, never both: prefill chunks run first, "
                    "alone, while decodes wait (SGLang's default; by default chunks ride along "
                    "with the decodes of the same step)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0, help="0 or -1 = off")
+    g.add_argument("--temperature", type=float, default=0.0, help=job("0 = greedy"))
+    g.add_argument("--top-p", type=float, default=1.0, help=job(None))
+    g.add_argument("--top-k", type=int, default=0, help=job("0 or -1 = off"))
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("output")
-    g.add_argument("--output", default=None, help="JSONL, one line per request, input order")
-    g.add_argument("--overwrite", action="store_true", help="allow replacing --output")
+    g.add_argument("--output", default=None,
+                   help=job("JSONL, one line per request, input order"))
+    g.add_argument("--overwrite", action="store_true", help=job("allow replacing --output"))
     g.add_argument("--resume", action="store_true",
-                   help="skip requests already completed in --output")
-    g.add_argument("--metrics-json", default=None, help="write the rank-0 summary here")
+                   help=job("skip requests already completed in --output"))
+    g.add_argument("--metrics-json", default=None, help=job("write the rank-0 summary here"))
     g.add_argument("--progress", action="store_true",
-                   help="progress bar on rank 0 even when stderr is not a TTY")
+                   help=job("progress bar on rank 0 even when stderr is not a TTY"))
     g.add_argument("--log-all-ranks", action="store_true",
                    help="log from every rank, each line prefixed with its rank")
     g.add_argument("--log-level", default="INFO", type=str.upper,
@@ -225,9 +232,10 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queued-requests", type=int, default=None,
                    help="requests waiting for their first token beyond this get HTTP 503 with "
                    "Retry-After (default: no limit)")
-    g.add_argument("--shutdown-grace", type=float, default=30.0,
+    g.add_argument("--shutdown-grace", type=float, default=20.0,
                    help="seconds in-flight requests may finish after SIGTERM/SIGINT before "
-                   "they are aborted (default 30)")
+                   "they are aborted (default 20: plain torchrun sends SIGKILL 30 s after "
+                   "its SIGTERM, and a killed server answers nobody)")
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: --model, or dspark-tiny)")
 

@@ -209,7 +209,9 @@ def main() -> None:
     ap.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
                     help="extra flags for `dspark_launch serve` (last on the line)")
     ap.add_argument("--out", default=str(ROOT / "docs/bench/serving_online.json"))
-    ap.add_argument("--plot", default=str(ROOT / "docs/bench/serving_online.png"))
+    ap.add_argument("--plot", default=None,
+                    help="the plot's path (default: --out's, with .png; a run with its own --out "
+                    "wrote over the committed plot)")
     args = ap.parse_args()
 
     rows = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line]
@@ -260,8 +262,7 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     print(f"wrote {args.out}")
-    if args.plot:
-        plot(results, Path(args.plot))
+    plot(results, Path(args.plot) if args.plot else Path(args.out).with_suffix(".png"))
 
 
 if __name__ == "__main__":

@@ -83,9 +83,8 @@ class ServeLoop:
         """Serve until a stop signal; returns the exit code (143 SIGTERM, 130 SIGINT)."""
         rank0 = get_parallel().rank == 0
         while True:
-            pages, running = local_load(self.engine)
-            rows = all_gather_ints([_signals[0] if _signals else 0, int(self.phase), pages,
-                                    running])
+            rows = all_gather_ints([_signals[0] if _signals else 0, int(self.phase),
+                                    *local_load(self.engine)])
             signum = max(r[0] for r in rows)
             phase = Phase(rows[0][1])  # rank 0's decision binds every rank
             if phase is Phase.EXIT:
@@ -117,10 +116,9 @@ class ServeLoop:
         leaders = rows[::get_parallel().attn_tp_size]
         self.metrics.kv_pages_used.set(sum(r[2] for r in leaders))
         self.metrics.running.set(sum(r[3] for r in leaders))
-        with self.bridge.lock:
-            self.metrics.waiting.set(self.bridge.queued)
+        self.metrics.waiting.set(sum(r[4] for r in leaders))
         allocator = self.engine.space.allocator
-        self.metrics.kv_pages_total.set(allocator.num_pages * len(leaders))
+        self.metrics.kv_pages_capacity.set(allocator.num_pages * len(leaders))
 
     def _next_phase(self, phase: Phase, signum: int) -> Phase:
         """Rank 0 only: the phase every rank follows from the next step on."""
@@ -144,12 +142,14 @@ class ServeLoop:
         return phase
 
 
-def local_load(engine) -> tuple[int, int]:
-    """(KV pages held by requests, running requests) in this rank's attn_dp group. Prefix-cache
-    pages no request holds and spare rows (KVSpace.roll_back) are not counted: an allocation
-    frees them on demand."""
+def local_load(engine) -> tuple[int, int, int]:
+    """(KV pages held by requests, running requests, waiting requests) in this rank's attn_dp
+    group. Prefix-cache pages no request holds and spare rows (KVSpace.roll_back) are not
+    counted: an allocation frees them on demand. A request still prefilling runs; one
+    preempted waits again (the bridge's "no first token yet" counted the first twice and
+    the second nowhere)."""
     space = engine.space
     allocator, cache = space.allocator, space.cache
     reclaimable = (cache.evictable_pages if cache is not None else 0) + space.spare_pages()
     return (allocator.num_pages - allocator.num_free_pages - reclaimable,
-            len(engine.sched.running))
+            len(engine.sched.running), len(engine.sched.waiting))

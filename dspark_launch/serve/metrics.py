@@ -25,12 +25,14 @@ class ServerMetrics:
 
         self.running = gauge("dspark_num_requests_running", "requests holding a request slot")
         self.waiting = gauge("dspark_num_requests_waiting",
-                             "requests accepted but not yet running (queued or waiting for KV)")
+                             "requests waiting for admission (new, or preempted), summed over "
+                             "attn_dp groups")
         self.kv_pages_used = gauge("dspark_kv_pages_used",
                                    "KV pages held by requests (reclaimable prefix-cache pages not "
                                    "counted), summed over attn_dp groups")
-        self.kv_pages_total = gauge("dspark_kv_pages_total",
-                                    "KV pages, summed over attn_dp groups")
+        # Not *_total: that suffix is the counters' (Prometheus naming; rate() of a gauge)
+        self.kv_pages_capacity = gauge("dspark_kv_pages_capacity",
+                                       "KV pages, summed over attn_dp groups")
         self.prompt_tokens = counter("dspark_prompt_tokens", "prompt tokens of finished requests")
         self.generation_tokens = counter("dspark_generation_tokens", "tokens generated")
         self.cached_tokens = counter("dspark_prefix_cached_tokens",

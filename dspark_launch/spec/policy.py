@@ -276,9 +276,11 @@ def merge_metrics(parts: list[dict]) -> dict:
                 out["positions"].append({"rounds": 0, "predicted_sum": 0.0, "realised_sum": 0})
             for key in pos:
                 out["positions"][i][key] += pos[key]
-    rounds = max(out["rounds"], 1)
-    out["predicted_tau"] = round(out.pop("predicted_sum") / rounds, 4)
-    out["realised_tau"] = round(out.pop("realised_sum") / rounds, 4)
+    # None without a predicted round (tau is never below 1: 0.0 read as a measurement)
+    rounds = out["rounds"]
+    predicted, realised = out.pop("predicted_sum"), out.pop("realised_sum")
+    out["predicted_tau"] = round(predicted / rounds, 4) if rounds else None
+    out["realised_tau"] = round(realised / rounds, 4) if rounds else None
     out["calibration"] = [
         {"position": i + 1, "rounds": p["rounds"],
          "predicted": round(p["predicted_sum"] / max(p["rounds"], 1), 4),
@@ -724,9 +726,15 @@ def format_policy(report: dict) -> str:
         f"{cls} cap {lad['current']['cap']}{' (model)' if lad['current']['model'] else ''}"
         f" after {lad['steps']} steps ({lad['tries']} trying a neighbour)"
         for group in report.get("ladders", []) for cls, lad in group.items())
+    def tau(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.2f}"
+
+    # Rounds with a prediction: under adaptive the cost model's, and the fixed-cap rounds
+    # that read the confidence head (CALIBRATION_EVERY): a sample of the drafting rounds.
     return (f"verify ladder: {ladders or 'none'}\n"
-            f"speculative policy {report['policy']}: predicted tau {report['predicted_tau']:.2f}"
-            f" vs realised {report['realised_tau']:.2f} over {report['rounds']} rounds; drafts "
+            f"speculative policy {report['policy']}: predicted tau {tau(report['predicted_tau'])}"
+            f" vs realised {tau(report['realised_tau'])} over {report['rounds']} predicted "
+            f"rounds; drafts "
             f"verified per round {report['chosen_lengths']}; draft forward skipped in "
             f"{report['skipped_draft_steps']} steps ({report['plain_steps']} of them "
             f"to time plain decoding, {report['dormant_steps']} dormant)\n"

@@ -123,6 +123,7 @@ def _stops_and_edges(rank: int) -> dict:
         }.items():
             o = llm.generate(prompt, sp)[0]
             views[name] = (o.text, o.token_ids, o.finish_reason, o.stop_reason)
+            out.setdefault("tpot", {})[name] = (o.tpot_s, len(o.token_ids))
         out["views"] = views
         vocab = llm.engine.target.config.vocab_size
         out["refused"] = []
@@ -162,7 +163,8 @@ def test_stop_tokens_extreme_sampling_values_bad_ids_and_bad_engines():
     reads as 0 keeps the top token (greedy's); token ids outside the vocabulary in a prompt
     or in stop_token_ids (indexed by min_tokens' ban: an IndexError in the step) are refused
     before anything runs, and the engine goes on. One LLM at a time, none used after its
-    shutdown, counts checked as the CLI checks them, and pages of 16 in a small pool."""
+    shutdown, counts checked as the CLI checks them, and pages of 16 in a small pool; a TPOT
+    for a request a stop string ended."""
     r = run_world(1, _stops_and_edges, timeout=300)[0]
     ids, k, v = r["plain"], r["k"], r["views"]
     assert v["stop_token"] == (r["decode"][0], ids[:k + 1], "stop", ids[k])
@@ -170,6 +172,10 @@ def test_stop_tokens_extreme_sampling_values_bad_ids_and_bad_engines():
     text, _, reason, stop_reason = v["stop_string_kept"]
     cut = r["plain_text"].find(r["stop"]) + len(r["stop"])
     assert (text, reason, stop_reason) == (r["plain_text"][:cut], "stop", r["stop"])
+    # Every request of more than one token has a TPOT; one a stop string ended had none
+    # (it ends before the engine's finish time exists), and left the TPOT histogram.
+    assert all(t is not None and t > 0 for t, n in r["tpot"].values() if n > 1), r["tpot"]
+    assert r["tpot"]["stop_string_kept"][1] > 1
     assert v["top_k_huge"] == v["top_k_off"]
     assert v["top_p_tiny"][1] == ids
     vocab = r["vocab"]

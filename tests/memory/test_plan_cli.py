@@ -243,3 +243,24 @@ def test_plan_prices_the_algorithm_the_run_would_use(capsys) -> None:
     code, _, stderr = plan_in_process(capsys, *qwen_flags(8, 1, "--speculative-algorithm",
                                                           "DSPARK"))
     assert code == 2 and "is a DFLASH checkpoint" in stderr and str(DRAFT) in stderr
+
+
+def test_readme_plan_examples_are_what_the_plan_prints(capsys) -> None:
+    """Each `--plan` example in the README prints the lines the README shows (rows elided
+    with "..." aside): its attention terms had drifted from the code's."""
+    import re
+    import shlex
+
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```\n\$ (python -m dspark_launch --plan .*?)\n```", readme, re.S)
+    assert len(blocks) == 2
+    for block in blocks:
+        command, *shown = block.replace("\\\n", " ").splitlines()
+        argv = shlex.split(command)[3:]  # after `python -m dspark_launch`
+        code, stdout, stderr = plan_in_process(capsys, *argv)
+        assert code == 0, stderr
+        printed = stdout.splitlines()
+        for line in shown:
+            if line.strip().startswith("..."):
+                continue
+            assert line in printed, (command, line)

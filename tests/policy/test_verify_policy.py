@@ -349,3 +349,14 @@ def test_record_plain_is_record_of_each_plain_round(rate):
         plain_steps += not drafted
     assert plain_steps >= 20  # the one-call path was taken
     assert one_by_one.report() == at_once.report()
+
+
+def test_a_report_without_predicted_rounds_says_so():
+    """A job too short to draft (--max-new-tokens 2) reported "predicted tau 0.00 vs realised
+    0.00": tau is never below 1, so 0.00 read as a measurement."""
+    from dspark_launch.spec.policy import PolicyMetrics, format_policy, merge_metrics
+
+    report = merge_metrics([PolicyMetrics(4).to_dict(), PolicyMetrics(4).to_dict()])
+    assert report["predicted_tau"] is None and report["realised_tau"] is None
+    assert "predicted tau n/a vs realised n/a over 0 predicted rounds" in format_policy(
+        {**report, "policy": "adaptive"})
