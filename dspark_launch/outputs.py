@@ -41,6 +41,8 @@ class CompletionOutput:
     tpot_s: float | None = None
     preemptions: int = 0
     cached_tokens: int = 0  # prompt positions served from the prefix cache (first admission)
+    drafts: int = 0  # drafts verified, over every round
+    accepted_drafts: int = 0  # ... of which the verification accepted
     error: str | None = None  # why the engine refused the request (finish_reason "refused")
 
     @property
@@ -139,6 +141,7 @@ class OutputProcessor:
             tpot_s=(end - first) / (n - 1) if first is not None and end is not None and n > 1
             else None,
             preemptions=out.preemptions, cached_tokens=out.cached_prompt_tokens,
+            drafts=out.drafts, accepted_drafts=out.accepted_drafts,
             error=getattr(out, "error", None))
         return CompletionDelta(out.rid, out.index, text, new_ids, result)
 

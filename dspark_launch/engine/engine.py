@@ -421,7 +421,8 @@ class Engine:
             for req, w, n_acc in zip(plan.decode, widths, accept_len):
                 self.policy.record(req.index, request_class(req), w, n_acc)
         t2 = steady_clock()
-        return self._commit(plan, firsts, first, accept_len, committed, t1 - t0, t2 - t1)
+        return self._commit(plan, firsts, first, widths, accept_len, committed, t1 - t0,
+                            t2 - t1)
 
     def _input_ids(self, plan: StepPlan, proposal: Proposal | None, widths: list[int]
                    ) -> torch.Tensor:
@@ -445,7 +446,7 @@ class Engine:
 
     # -- commit
 
-    def _commit(self, plan: StepPlan, firsts: list[bool], first: list[int],
+    def _commit(self, plan: StepPlan, firsts: list[bool], first: list[int], widths: list[int],
                 accept_len: list[int], committed: list[int], draft_s: float, verify_s: float
                 ) -> list[Request]:
         report: list[Request] = []
@@ -464,6 +465,8 @@ class Engine:
         for j, req in enumerate(plan.decode):
             n_acc = accept_len[j]
             req.kv_len += n_acc + 1  # the anchor and the accepted drafts are now cached
+            req.drafts += widths[j]
+            req.accepted_drafts += n_acc
             req.draft_time += draft_s
             req.verify_time += verify_s
             before = len(req.output_ids)

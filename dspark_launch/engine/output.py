@@ -29,6 +29,8 @@ def request_record(out: RequestOutput) -> dict:
         "finish_reason": out.finish_reason,
         "accept_lens": list(out.accept_lens),
         "rounds": len(out.accept_lens),
+        "drafts": out.drafts,
+        "accepted_drafts": out.accepted_drafts,
         "ttft_s": ttft,
         "tpot_s": tpot,
         "latency_s": end - out.arrival,
@@ -44,7 +46,8 @@ def refused_record(spec: RequestSpec) -> dict:
     return {
         "index": spec.index, "id": spec.rid, "prompt_tokens": len(spec.prompt_ids),
         "completion_tokens": 0, "output_ids": [], "finish_reason": "refused",
-        "error": spec.refused, "accept_lens": [], "rounds": 0, "ttft_s": None, "tpot_s": None,
+        "error": spec.refused, "accept_lens": [], "rounds": 0, "drafts": 0,
+        "accepted_drafts": 0, "ttft_s": None, "tpot_s": None,
         "latency_s": 0.0, "draft_s": 0.0, "verify_s": 0.0, "preemptions": 0,
         "cached_tokens": 0, "prefill_tokens": 0,
     }
@@ -221,6 +224,8 @@ def summarize(records: list[dict], wall_s: float, extra: dict, prefix_cache: boo
     tpot = [r["tpot_s"] for r in ran if r["tpot_s"] is not None]
     cached = sum(r.get("cached_tokens", 0) for r in ran)
     computed = sum(r.get("prefill_tokens", 0) for r in ran)
+    drafts = sum(r.get("drafts", 0) for r in ran)  # a resumed record may predate them
+    accepted = sum(r.get("accepted_drafts", 0) for r in ran)
     return {
         "requests": len(records),
         "refused": len(records) - len(ran),
@@ -232,6 +237,9 @@ def summarize(records: list[dict], wall_s: float, extra: dict, prefix_cache: boo
         "rounds": len(rounds),
         "mean_tau": sum(rounds) / len(rounds) if rounds else None,
         "tau_histogram": {str(k): v for k, v in sorted(Counter(rounds).items())},
+        "drafts": drafts,
+        "accepted_drafts": accepted,
+        "acceptance_rate": accepted / drafts if drafts else None,
         "ttft_p50_s": _percentile(ttft, 50),
         "ttft_p99_s": _percentile(ttft, 99),
         "tpot_p50_s": _percentile(tpot, 50),
@@ -254,6 +262,9 @@ def format_summary(s: dict) -> str:
         f"algorithm {s.get('algorithm')}, mean tau {tau} over {s['rounds']} rounds, "
         f"histogram {s['tau_histogram']}",
     ]
+    if s.get("acceptance_rate") is not None:
+        lines.append(f"drafts: {s['accepted_drafts']} of {s['drafts']} verified were accepted "
+                     f"({s['acceptance_rate']:.1%})")
     if s.get("prefix_hit_rate") is not None:
         lines.append(f"prefix cache: {s['cached_tokens']} prefill tokens cached, "
                      f"{s['prefill_tokens']} computed, hit rate {s['prefix_hit_rate']:.1%}")

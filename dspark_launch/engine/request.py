@@ -56,6 +56,8 @@ class RequestOutput:
     # Prompt positions the first admission took from the prefix cache: OpenAI's
     # usage.prompt_tokens_details.cached_tokens (a readmission's hits are recomputation saved).
     cached_prompt_tokens: int = 0
+    drafts: int = 0  # drafts verified, over every round
+    accepted_drafts: int = 0  # ... of which the verification accepted
     draft_s: float = 0.0
     verify_s: float = 0.0
     error: str | None = None  # the refusal reason when finish_reason == "refused"
@@ -81,6 +83,8 @@ class Request:
     cached_tokens: int = 0  # prefill positions taken from the prefix cache (all admissions)
     prefill_tokens: int = 0  # prefill positions computed (recomputation after preemption too)
     cached_prompt_tokens: int = 0  # those of the first admission (RequestOutput)
+    drafts: int = 0  # drafts verified, over every round
+    accepted_drafts: int = 0  # ... of which the verification accepted (a stop may cut some)
     first_token_at: float | None = None
     finished_at: float | None = None
     draft_time: float = 0.0
@@ -151,7 +155,7 @@ class Request:
             first_token_at=self.first_token_at, finished_at=self.finished_at,
             preemptions=self.preemptions, cached_tokens=self.cached_tokens,
             prefill_tokens=self.prefill_tokens, cached_prompt_tokens=self.cached_prompt_tokens,
-            draft_s=self.draft_time,
+            drafts=self.drafts, accepted_drafts=self.accepted_drafts, draft_s=self.draft_time,
             verify_s=self.verify_time)
 
 

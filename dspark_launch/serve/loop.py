@@ -103,9 +103,7 @@ class ServeLoop:
             if self.metrics is not None:
                 self.metrics.generation_tokens.inc(len(delta.token_ids))
                 if done is not None:
-                    self.metrics.finished(done.finish_reason, len(done.prompt_token_ids),
-                                          done.ttft_s, done.tpot_s, done.accept_lens,
-                                          done.cached_tokens)
+                    self.metrics.finished(done)
             self.bridge.deliver(delta.rid, delta, done is not None)
         if self.metrics is not None:
             self._update_gauges(rows)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+# From 1 ms: a small model's TPOT on a CPU is a few ms (every one fell in the first bucket)
+LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
+                   60.0)
 
 
 class ServerMetrics:
@@ -38,6 +40,12 @@ class ServerMetrics:
         self.cached_tokens = counter("dspark_prefix_cached_tokens",
                                      "prompt positions of finished requests served from the "
                                      "prefix cache (hit rate: this / dspark_prompt_tokens)")
+        # vLLM's spec_decode_num_draft_tokens / _num_accepted_tokens: acceptance = ratio
+        self.drafts = counter("dspark_spec_decode_draft_tokens",
+                              "draft tokens verified, of finished requests")
+        self.accepted_drafts = counter("dspark_spec_decode_accepted_tokens",
+                                       "draft tokens the verification accepted, of finished "
+                                       "requests")
         self.requests = Counter("dspark_requests", "finished requests by finish reason",
                                 ("model_name", "finish_reason"), registry=r)
         self.rejected = Counter("dspark_requests_rejected", "requests answered with an error",
@@ -50,16 +58,18 @@ class ServerMetrics:
                              tuple(float(k) for k in range(1, max_tau + 1)))
         self.model = model
 
-    def finished(self, reason: str, prompt_tokens: int, ttft: float | None,
-                 tpot: float | None, accept_lens: list[int], cached_tokens: int = 0) -> None:
-        self.requests.labels(self.model, reason).inc()
-        self.prompt_tokens.inc(prompt_tokens)
-        self.cached_tokens.inc(cached_tokens)
-        if ttft is not None:
-            self.ttft.observe(ttft)
-        if tpot is not None:
-            self.tpot.observe(tpot)
-        for n in accept_lens:
+    def finished(self, done) -> None:
+        """A request's CompletionOutput."""
+        self.requests.labels(self.model, done.finish_reason).inc()
+        self.prompt_tokens.inc(len(done.prompt_token_ids))
+        self.cached_tokens.inc(done.cached_tokens)
+        self.drafts.inc(done.drafts)
+        self.accepted_drafts.inc(done.accepted_drafts)
+        if done.ttft_s is not None:
+            self.ttft.observe(done.ttft_s)
+        if done.tpot_s is not None:
+            self.tpot.observe(done.tpot_s)
+        for n in done.accept_lens:
             self.tau.observe(n)
 
     def refused(self, status: int) -> None:

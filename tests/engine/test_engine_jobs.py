@@ -83,6 +83,16 @@ def test_small_pool_every_request_completes(tiny, tmp_path, world, dp, algorithm
     # The pool really was too small: requests were preempted and recomputed.
     assert sum(r["preemptions"] for r in job.records) > 0
     assert_pool_drained(job)
+    # Each record's drafts and accepted drafts add up to what the verifies saw (one rank of
+    # each attn_dp group records its group's), and the summary's rate is their ratio.
+    seen = [v for p in job.probes[::world // dp] for v in p["verifies"]]
+    assert sum(r["drafts"] for r in job.records) == sum(n for _, n, _ in seen)
+    assert sum(r["accepted_drafts"] for r in job.records) == sum(a for _, _, a in seen)
+    m = job.metrics
+    assert (m["drafts"], m["accepted_drafts"]) == (sum(n for _, n, _ in seen),
+                                                   sum(a for _, _, a in seen))
+    assert m["acceptance_rate"] == (m["accepted_drafts"] / m["drafts"] if m["drafts"] else None)
+    assert (m["drafts"] > 0) == (algorithm != "NONE")
     # Every request ran on exactly one attn_dp group (each rank of a group holds it).
     groups = [set(p["after"]["requests_here"]) for p in job.probes[::world // dp]]
     assert sorted(i for g in groups for i in g) == list(range(64))

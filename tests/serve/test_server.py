@@ -248,8 +248,12 @@ def test_metrics_and_models(server, client):
                  "dspark_prompt_tokens_total", "dspark_generation_tokens_total",
                  "dspark_time_to_first_token_seconds_bucket",
                  "dspark_time_per_output_token_seconds_bucket", "dspark_accept_length_bucket",
-                 "dspark_kv_pages_used", "dspark_kv_pages_capacity"):
+                 "dspark_kv_pages_used", "dspark_kv_pages_capacity",
+                 "dspark_spec_decode_draft_tokens_total",
+                 "dspark_spec_decode_accepted_tokens_total"):
         assert name in text
+    assert server.metric("dspark_spec_decode_accepted_tokens_total") <= server.metric(
+        "dspark_spec_decode_draft_tokens_total")
     # Prometheus naming: _total is for counters (a gauge was named dspark_kv_pages_total)
     gauges = [line.split()[2] for line in text.splitlines()
               if line.startswith("# TYPE") and line.split()[3] == "gauge"]
