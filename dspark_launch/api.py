@@ -16,8 +16,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import numbers
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -110,29 +111,48 @@ class LLM:
         for i, (ids, p) in enumerate(zip(token_lists, params)):
             if (why := self.engine.refusal(ids, p)) is not None:
                 raise ValueError(f"prompt {i}: {why}")
+            if p.stop and self.tokenizer is None:
+                raise ValueError(f"prompt {i}: stop={list(p.stop)} needs the checkpoint's "
+                                 f"tokenizer.json (give stop_token_ids)")
         processor = OutputProcessor(self.tokenizer, self.engine.abort)
         order: dict[str, int] = {}
-        for i, (ids, text, p) in enumerate(zip(token_lists, texts, params)):
-            index = next(self._indices)
-            rid = f"llm-{index}"
-            order[rid] = i
-            processor.add(rid, ids, p)
-            self.engine.add_request(RequestSpec(index=index, rid=rid, prompt_ids=tuple(ids),
-                                                params=p, prompt_text=text))
         results: list[CompletionOutput | None] = [None] * len(token_lists)
-        # Step until every request ended and the engine freed what stop strings aborted.
-        while len(processor) or self.engine.has_work:
-            for delta in processor.process(self.engine.step()):
-                if delta.finished is not None:
-                    results[order[delta.rid]] = delta.finished
+        try:
+            for i, (ids, text, p) in enumerate(zip(token_lists, texts, params)):
+                index = next(self._indices)
+                rid = f"llm-{index}"
+                order[rid] = i
+                processor.add(rid, ids, p)
+                self.engine.add_request(RequestSpec(index=index, rid=rid,
+                                                    prompt_ids=tuple(ids), params=p,
+                                                    prompt_text=text))
+            # Step until every request ended and the engine freed what stop strings aborted.
+            while len(processor) or self.engine.has_work:
+                for delta in processor.process(self.engine.step()):
+                    if delta.finished is not None:
+                        results[order[delta.rid]] = delta.finished
+        except BaseException:
+            # Ctrl-C (or an error) mid-batch: its requests end at the next step, not run on
+            # to max_tokens inside the next generate() while holding their pages.
+            for rid in order:
+                if rid in processor:
+                    self.engine.abort(rid)
+            raise
         return results  # type: ignore[return-value]
 
     def _prompts(self, prompts) -> tuple[list[list[int]], list[str | None]]:
-        if isinstance(prompts, str) or (
-                isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        """A prompt is text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids":
+        ids}; one prompt or a list of them."""
+        if isinstance(prompts, (str, Mapping)) or (
+                isinstance(prompts, Sequence) and prompts and _is_id(prompts[0])):
             prompts = [prompts]
         ids, texts = [], []
         for i, p in enumerate(prompts):
+            if isinstance(p, Mapping):
+                if set(p) not in ({"prompt"}, {"prompt_token_ids"}):
+                    raise TypeError(f"prompt {i}: a dict prompt has one key, 'prompt' (text) "
+                                    f"or 'prompt_token_ids' (token ids), got {sorted(p)}")
+                p = p.get("prompt", p.get("prompt_token_ids"))
             if isinstance(p, str):
                 if self.tokenizer is None:
                     raise ValueError(f"prompt {i} is text but the checkpoint has no "
@@ -140,12 +160,12 @@ class LLM:
                 ids.append(self.tokenizer.encode(p).ids)  # with a BOS where it adds one,
                 # as the CLI job and the server's completions
                 texts.append(p)
-            elif all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-                ids.append(list(p))
+            elif isinstance(p, Sequence) and all(_is_id(t) for t in p):
+                ids.append([int(t) for t in p])
                 texts.append(None)
             else:
                 raise TypeError(f"prompt {i} must be a string or a list of token ids, "
-                                f"got {type(p).__name__}")
+                                f"got {_kind(p)}")
         return ids, texts
 
     def _params(self, sampling_params, n: int) -> list[SamplingParams]:
@@ -157,6 +177,10 @@ class LLM:
         if len(params) != n:
             raise ValueError(f"{len(params)} sampling_params for {n} prompts; give one, or "
                              f"one per prompt")
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got "
+                                f"{type(p).__name__}")
         return params
 
     # ------------------------------------------------------------------ lifetime
@@ -183,3 +207,17 @@ def _world_size() -> int:
     import torch.distributed as dist
 
     return dist.get_world_size() if dist.is_initialized() else launch_world_size()
+
+
+def _is_id(t) -> bool:
+    """A token id: any integer but a bool (numpy's too)."""
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+
+
+def _kind(p) -> str:
+    """What a bad prompt is, for its message: a list names its first bad element's type."""
+    if isinstance(p, Sequence) and not isinstance(p, str):
+        bad = next((t for t in p if not _is_id(t)), None)
+        return f"a list holding {type(bad).__name__} {bad!r}"
+    return type(p).__name__
+

@@ -7,8 +7,10 @@ IncrementalDetokenizer: byte-level BPE splits one character over several tokens,
 each token alone would emit U+FFFD halves. Text is released only up to the last complete
 character (the prefix/read-offset scheme of HF text streamers and vLLM): `decode(ids[prefix:])`
 minus `decode(ids[prefix:read])`, without a trailing U+FFFD run (an unfinished character).
-`finish()` flushes whatever is held, so the deltas always concatenate to
-`tokenizer.decode(all ids)`.
+`finish()` flushes whatever is held, so the deltas concatenate to `tokenizer.decode(all ids)`;
+but for a byte-fallback decoder (Llama-2, Mistral: `<0xNN>` tokens), which decodes a whole run
+of byte tokens as U+FFFD once one byte in it is unfinished, characters already released
+included: there the text ends at the last character released (vLLM's text, too).
 
 StopStrings: generation ends at the first token after which a stop string is in the text; the
 text is cut where the earliest-starting stop string present then starts, and is never emitted
@@ -40,6 +42,8 @@ class IncrementalDetokenizer:
         self.text = ""  # everything emitted so far
 
     def _decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:  # token ids in and out (a checkpoint without a tokenizer)
+            return ""
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, token_id: int) -> str:
@@ -60,10 +64,10 @@ class IncrementalDetokenizer:
         """The held tail (e.g. an unfinished character at max_tokens), so that the emitted
         text equals the full decode."""
         full = self._decode(self.ids)
-        if not full.startswith(self.text):  # cannot happen for byte-level decoders
-            raise RuntimeError(f"incremental text {self.text!r} is not a prefix of {full!r}")
-        delta = full[len(self.text):]
-        self.text = full
+        # Released text is final: where the full decode rewrote it (byte fallback, above),
+        # the unfinished tail is no character and stays out. Raising here lost the batch.
+        delta = full[len(self.text):] if full.startswith(self.text) else ""
+        self.text += delta
         self.prefix = self.read = len(self.ids)
         self.pending = 0
         return delta
@@ -89,11 +93,14 @@ class StopStrings:
         string counts only if it ends in text added while armed (vLLM's rule)."""
         if self.matched is not None:
             return ""
-        searched = max(0, len(self.text) - self.hold)  # matches before here were ruled out
+        old = len(self.text)
         self.text += delta
         cut, which = len(self.text), None
         for stop in self.stops if armed else ():
-            at = self.text.find(stop, searched)
+            # From the first start whose match ends in the new text: one ending before it
+            # was ruled out while armed, or came before min_tokens (one window for all
+            # stops, the longest's, let a short stop end in text from before min_tokens).
+            at = self.text.find(stop, max(0, old - len(stop) + 1))
             if at != -1 and at < cut:
                 cut, which = at, stop
         if which is not None:
@@ -126,11 +133,19 @@ class TextStream:
         """The released text so far."""
         return self.stops.text[:self.stops.sent]
 
+    @property
+    def armed(self) -> bool:
+        """Stop strings count after min_tokens tokens, as the engine's stop tokens (and
+        vLLM's stop strings) do: from token min_tokens + 1 on."""
+        return len(self.detok.ids) > self.min_tokens
+
     def push(self, token_id: int) -> TextDelta:
         delta = self.detok.push(token_id)
-        out = self.stops.feed(delta, armed=len(self.detok.ids) >= self.min_tokens)
+        out = self.stops.feed(delta, armed=self.armed)
         return TextDelta(out, self.stops.matched)
 
-    def finish(self) -> str:
-        """Flush at the end of the request (no stop string matched before)."""
-        return self.stops.feed(self.detok.finish(), final=True)
+    def finish(self) -> TextDelta:
+        """Flush at the end of the request (no stop string matched before); the held tail
+        may still complete one."""
+        out = self.stops.feed(self.detok.finish(), final=True, armed=self.armed)
+        return TextDelta(out, self.stops.matched)

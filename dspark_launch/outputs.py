@@ -118,7 +118,10 @@ class OutputProcessor:
                 return self._finish(req, out, text, new_ids, "stop", step.stopped)
         if not out.finished:
             return CompletionDelta(out.rid, out.index, text, new_ids)
-        text += req.stream.finish()
+        tail = req.stream.finish()
+        text += tail.text
+        if tail.stopped is not None:  # completed by the held tail (an unfinished character)
+            return self._finish(req, out, text, new_ids, "stop", tail.stopped)
         reason = OPENAI_REASONS.get(out.finish_reason, out.finish_reason or "stop")
         stop_reason = None
         if out.finish_reason == "stop" and req.token_ids and \

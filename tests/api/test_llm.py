@@ -207,3 +207,88 @@ def test_world_of_one_without_torchrun_uses_the_embedded_model_and_its_defaults(
         ref = offline[prompt]["output_ids"]
         assert ids[:len(ref)] == ref
         assert len(ids) == 128 or ids[-1] == 2046  # max_new_tokens or EOS
+
+
+def _prompt_shapes_and_interrupts(rank: int, bare_model: str) -> dict:
+    import numpy as np
+
+    from dspark_launch import LLM, SamplingParams
+
+    prompt = heldout()[1]
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    out: dict = {"errors": []}
+    with LLM(kv_cache_memory="64MiB", device="cpu", speculative_policy="fixed") as llm:
+        ids = llm.tokenizer.encode(prompt).ids
+        out["text"] = llm.generate(prompt, greedy)[0].token_ids
+        # vLLM's dict prompts (they ran as the text "prompt" / "prompt_token_ids")
+        out["dicts"] = [o.token_ids for o in llm.generate(
+            [{"prompt": prompt}, {"prompt_token_ids": ids}], greedy)]
+        out["one_dict"] = llm.generate({"prompt": prompt}, greedy)[0].token_ids
+        out["numpy_ids"] = llm.generate([np.array(ids).tolist()[:3] + [np.int64(ids[3])]],
+                                        greedy)[0].token_ids
+        out["ids4"] = llm.generate([ids[:4]], greedy)[0].token_ids
+        for bad, sp in (([None], greedy), ([ids, [3, None]], greedy),
+                        ({"text": prompt}, greedy), ([prompt, prompt], [greedy, {"n": 1}])):
+            try:
+                llm.generate(bad, sp)
+                out["errors"].append(None)
+            except TypeError as err:
+                out["errors"].append(str(err))
+        # Ctrl-C in the middle of a batch: its requests ran on to max_tokens inside the next
+        # generate() (13.6 s for 8 tokens), holding their pages.
+        engine, real_step, calls = llm.engine, llm.engine.step, [0]
+
+        def interrupted_step():
+            calls[0] += 1
+            if calls[0] == 4:
+                raise KeyboardInterrupt
+            return real_step()
+
+        engine.step = interrupted_step
+        try:
+            llm.generate([prompt, prompt[::-1]],
+                         SamplingParams(max_tokens=1500, temperature=0, ignore_eos=True))
+        except KeyboardInterrupt:
+            out["interrupted"] = True
+        engine.step = real_step
+        before = engine.steps
+        out["after"] = llm.generate(prompt, greedy)[0].token_ids
+        out["steps_after"] = engine.steps - before
+        engine.flush_prefix_cache()
+        out["pages_free"] = engine.space.is_full()
+    # A checkpoint without tokenizer.json: token ids in and out (its detokenizer crashed)
+    with LLM(bare_model, kv_cache_memory="64MiB", device="cpu",
+             speculative_algorithm="NONE") as bare:
+        o = bare.generate([[3, 4, 5]], greedy)[0]
+        out["bare"] = (o.token_ids, o.text)
+        try:
+            bare.generate([[3, 4, 5]], SamplingParams(max_tokens=4, stop=["x"]))
+        except ValueError as err:
+            out["bare_stop"] = str(err)
+    return out
+
+
+def test_prompt_shapes_bad_prompts_interrupts_and_no_tokenizer(tiny):
+    """vLLM's {"prompt": ...} / {"prompt_token_ids": ...} prompts run as their text / ids (a
+    dict ran its key as the prompt); numpy ids are ids; a bad prompt or sampling_params is a
+    TypeError naming it; a generate() interrupted mid-batch leaves nothing running into the
+    next one; a checkpoint without a tokenizer answers token ids with empty text."""
+    from jobs import reference, write_prompts
+
+    r = run_world(1, _prompt_shapes_and_interrupts, str(tiny.target), timeout=300)[0]
+    assert r["dicts"] == [r["text"], r["text"]] and r["one_dict"] == r["text"]
+    assert r["numpy_ids"] == r["ids4"]
+    assert r["errors"] == [
+        "prompt 0 must be a string or a list of token ids, got NoneType",
+        "prompt 1 must be a string or a list of token ids, got a list holding NoneType None",
+        "prompt 0: a dict prompt has one key, 'prompt' (text) or 'prompt_token_ids' (token "
+        "ids), got ['text']",
+        "sampling_params[1] must be a SamplingParams, got dict"]
+    assert r["interrupted"] and r["after"] == r["text"]
+    assert r["steps_after"] < 20, r["steps_after"]  # 6 tokens, not 1500 of two others
+    assert r["pages_free"]
+    ref = reference(tiny, write_prompts(tiny.root / "bare.jsonl", [{"input_ids": [3, 4, 5]}]),
+                    6)
+    assert r["bare"] == (ref[0], "")
+    assert r["bare_stop"] == ("prompt 0: stop=['x'] needs the checkpoint's tokenizer.json "
+                              "(give stop_token_ids)")

@@ -81,7 +81,8 @@ def run_stream(ids: list[int], stops: list[str]) -> tuple[str, str | None, int]:
         used += 1
         if d.stopped is not None:
             return out, d.stopped, used
-    return out + ts.finish(), None, used
+    tail = ts.finish()
+    return out + tail.text, tail.stopped, used
 
 
 @SETTINGS
@@ -132,15 +133,66 @@ def test_partial_stop_at_the_end_is_released_on_finish():
 
 def test_stop_strings_wait_for_min_tokens():
     ids = TOK.encode("ab ab ab").ids
-    ts = TextStream(TOK, ("ab",), min_tokens=len(TOK.encode("ab ab").ids) + 1)
+    ts = TextStream(TOK, ("ab",), min_tokens=len(TOK.encode("ab ab").ids))
     out = ""
     for t in ids:
         d = ts.push(t)
         out += d.text
         if d.stopped:
             break
-    # The first two "ab" end before min_tokens; the third one stops the stream.
+    # The first two "ab" end in the first min_tokens tokens; the third one stops the stream
+    # (a stop counts from token min_tokens + 1 on, as a stop token does, and as in vLLM).
     assert out == "ab ab " and d.stopped == "ab"
+
+
+def _until_stop(ts: TextStream, ids: list[int]) -> tuple[str, str | None]:
+    out = ""
+    for t in ids:
+        d = ts.push(t)
+        out += d.text
+        if d.stopped:
+            return out, d.stopped
+    return out + ts.finish().text, None
+
+
+def test_min_tokens_one_lets_the_first_token_hold_a_stop_string():
+    """min_tokens=1 did nothing for stop strings (armed from token min_tokens on): a first
+    token of "\n" ended the request with stop=["\n"] and min_tokens=1."""
+    ids = TOK.encode("\nab\ncd").ids
+    assert TOK.decode(ids[:1]) == "\n"
+    assert _until_stop(TextStream(TOK, ("\n",), min_tokens=0), ids) == ("", "\n")
+    assert _until_stop(TextStream(TOK, ("\n",), min_tokens=1), ids) == ("\nab", "\n")
+
+
+def test_a_short_stop_among_longer_ones_waits_for_min_tokens_too():
+    """Every stop was searched from the longest one's window: after min_tokens, a short stop
+    that ended in text from before min_tokens matched (adding an unrelated long stop string
+    changed the output)."""
+    ids = TOK.encode("a\nb c d e f g").ids
+    alone = _until_stop(TextStream(TOK, ("\n",), min_tokens=3), ids)
+    among = _until_stop(TextStream(TOK, ("\n", "never appears in this text"), min_tokens=3),
+                        ids)
+    assert alone == among == (TOK.decode(ids), None)
+
+
+def test_a_byte_fallback_tokenizer_with_a_character_cut_at_the_end():
+    """Llama-2 / Mistral tokenizers decode a run of <0xNN> byte tokens as U+FFFD throughout
+    once one byte in it is unfinished, characters already released included: finish()
+    raised (the whole batch lost). The released text stays; a completed character streams
+    to the full decode."""
+    from tokenizers import decoders, models
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    vocab.update({"\u2581": 259, "\u2581a": 260})
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    a, e_acute, han = [260], [3 + 0xC3, 3 + 0xA9], [3 + 0xE4, 3 + 0xB8, 3 + 0xAD]
+    cut = a + e_acute + han[:1]  # max_tokens ends inside 中
+    assert tok.decode(cut) == "a" + REPLACEMENT * 3  # é rewritten too
+    assert _until_stop(TextStream(tok), cut) == ("aé", None)
+    assert _until_stop(TextStream(tok), a + e_acute + han) == ("aé中", None)
+    assert tok.decode(a + e_acute + han) == "aé中"
 
 
 @pytest.mark.parametrize("chunks", [["abc", "de"], ["a", "b", "c", "d", "e"], ["abcde"]])
