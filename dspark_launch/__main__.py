@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 import traceback
@@ -27,6 +28,7 @@ from dspark_launch.failure import (
     received_signal,
     record_signals_only,
     roll_call,
+    signal_verdict,
     store_of_world,
 )
 from dspark_launch.log import logger, setup_logging
@@ -105,7 +107,10 @@ def stop(state: ParallelState, err: BaseException) -> int:
     """End this rank after `err`, as every rank agrees: one line, said once, one exit code."""
     record_signals_only()
     if isinstance(err, KeyboardInterrupt):  # a second signal: now, without a roll call
-        return EXIT_CODES.get(getattr(err, "signum", received_signal()), 130)
+        signum = getattr(err, "signum", received_signal()) or signal.SIGINT
+        # ... but with its verdict posted (no wait), or its peers name it as dead
+        roll_call(store_of_world(), state.rank, state.world_size, signal_verdict(signum), 0.0)
+        return EXIT_CODES.get(signum, 130)
     if not isinstance(err, Exception):
         raise err  # SystemExit and the like: not a failure to report
     if isinstance(err, LaunchError) and getattr(err, "agreed", False):
@@ -156,7 +161,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return run(cfg)
     except LaunchError as err:
-        print(f"dspark_launch: error: {err}", file=sys.stderr, flush=True)
+        # Raised before the ranks could agree (the device, the topology): alike on a node's
+        # ranks, so its first says it (every rank printed it: 8 lines at tp8)
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"dspark_launch: error: {err}", file=sys.stderr, flush=True)
         return err.exit_code
     except KeyboardInterrupt as err:  # a second signal: stop without the step boundary
         return EXIT_CODES.get(getattr(err, "signum", received_signal()), 130)

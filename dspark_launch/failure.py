@@ -29,7 +29,9 @@ import torch.distributed as dist
 
 from dspark_launch.errors import ConfigError, LaunchError
 
-EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+# 128 + the signal. torchrun's agent forwards SIGHUP and SIGQUIT as well: each is a stop like
+# SIGTERM (they killed the ranks outright, the output left in finish order).
+EXIT_CODES = {signal.SIGHUP: 129, signal.SIGINT: 130, signal.SIGQUIT: 131, signal.SIGTERM: 143}
 
 
 class Interrupted(LaunchError):
@@ -86,7 +88,7 @@ class Progress:
 
 progress = Progress()
 _received: list[int] = []
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = tuple(EXIT_CODES)
 
 
 _record_only = [False]  # while a rank is already stopping: remember signals, never raise
@@ -220,6 +222,7 @@ REPORT_WAIT_S = 2.0  # a rank with a configuration error: how long it waits to l
 # the others hit the same one (they raise it at the same point, within milliseconds)
 BROKEN = "broken"  # the verdict of a rank whose collective failed under it
 FAILED = "failed"  # the verdict of a rank that failed on its own and printed its traceback
+FOLLOWED = "followed"  # a rank stopped because a peer had ended: the peer's verdict stands
 
 
 def store_of_world():
@@ -267,13 +270,15 @@ def signal_verdict(signum: int) -> str:
 
 
 def signal_or_follow(signum: int, posted: dict[int, str]) -> str:
-    """A stop signal's verdict, unless a peer had already posted a configuration error: that
-    peer then ended its process, and torchrun stops the survivors of a rank that exited, so
-    the signal is the error's consequence (a survivor still working, not yet blocked behind
-    the peer, got it first). It follows the peer out (BROKEN), and the job ends as the error
-    says: exit 2, in that rank's words."""
-    if any(v.startswith("config ") for v in posted.values()):
-        return BROKEN
+    """A stop signal's verdict, unless a peer had already posted another ending (a
+    configuration error, a failure of its own, a broken collective): that peer then ended its
+    process, and torchrun stops the survivors of a rank that exited, so the signal is the
+    ending's consequence (a survivor still working, not yet blocked behind the peer, got it
+    first). It follows the peer out (FOLLOWED), silently, and the job ends as the peer's
+    verdict says (an "interrupted by SIGTERM" line followed a failure's traceback, and a
+    timed-out peer's "rank(s) [0] ... stopped answering")."""
+    if any(not v.startswith("signal ") for v in posted.values()):
+        return FOLLOWED
     return signal_verdict(signum)
 
 
@@ -285,7 +290,7 @@ def verdict_wait_s(verdict: str) -> float:
     """A signalled rank leaves at once (its peers learn of it from the store); a rank with a
     configuration error waits briefly to learn whether it is the one to say it; a rank whose
     collective broke waits for the others' reasons."""
-    if verdict.startswith("signal "):
+    if verdict.startswith("signal ") or verdict == FOLLOWED:
         return 0.0
     return REPORT_WAIT_S if verdict.startswith("config ") else ROLL_CALL_WAIT_S
 
@@ -327,8 +332,10 @@ def conclude(rank: int, world_size: int, answers: dict[int, str], noticed: str =
     missing = [r for r in range(world_size) if r not in answers]
     who = f"rank(s) {missing}" if missing else "a peer rank"
     reason = f"{who} of {world_size} stopped answering during {progress.where()}"
-    return Conclusion(1, rank == min(answers), f"{reason} (noticed by rank {rank}: {noticed})",
-                      reason)
+    # A follower knows only that a peer ended: the peer's roll call says who stopped answering
+    speakers = [r for r, v in answers.items() if v != FOLLOWED]
+    return Conclusion(1, bool(speakers) and rank == min(speakers),
+                      f"{reason} (noticed by rank {rank}: {noticed})", reason)
 
 
 def verdict_of(err: Exception, world_size: int) -> str | None:
@@ -342,7 +349,7 @@ def verdict_of(err: Exception, world_size: int) -> str | None:
         return BROKEN
     if signum := received_signal():
         verdict = signal_or_follow(signum, _posted(world_size))
-        if verdict == BROKEN and isinstance(err, ConfigError):
+        if verdict == FOLLOWED and isinstance(err, ConfigError):
             return config_verdict(str(err))  # its own error, next to the peer's
         return verdict
     if isinstance(err, ConfigError):

@@ -19,6 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    from dspark_launch.failure import EXIT_CODES
+
     args = get_args_parser().parse_args(argv)
     try:
         run(args)
@@ -28,9 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         code = failure.exitcode
-        if code in (2, 130, 143):
-            # A configuration error (2) or a signal (130 / 143): the ranks agreed on it and
-            # one of them already said why; the job ends with that code.
+        if code == 2 or code in EXIT_CODES.values():
+            # A configuration error (2) or a signal (128 + its number): the ranks agreed on it
+            # and one of them already said why; the job ends with that code.
             return code
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         print(f"dspark_launch: error: rank {rank} (local_rank {failure.local_rank}) ended with "

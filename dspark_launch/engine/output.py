@@ -83,6 +83,10 @@ def read_records(path: str, specs: list[RequestSpec] | None = None) -> list[tupl
             raise ConfigError(f"--output={path} line {n} is no request record (a JSON object "
                               f"with an integer \"index\"); {fix}")
         spec = prompts.get(record["index"])
+        if specs is not None and spec is None:
+            raise ConfigError(f"--output={path} line {n}: request {record['index']} there is "
+                              f"not one of this job's {len(specs)} (--resume continues the "
+                              f"job that wrote the file); {fix}")
         if spec is not None and (why := _differs(record, spec)):
             raise ConfigError(f"--output={path} line {n}: request {record['index']} there ran "
                               f"{why} (--resume continues the job that wrote the file, with "

@@ -76,14 +76,24 @@ def read_requests(job: JobArgs, tokenizer, context_limit: int, vocab_size: int
 
 def writable(job: JobArgs) -> ConfigError | None:
     """Why rank 0 could not write --output or --metrics-json (None: it can): checked before
-    the weights load, not when the job has run (a missing folder was refused at the end)."""
+    the weights load, not when the job has run (a missing folder was refused at the end, a
+    read-only one with a traceback)."""
     for flag, path in (("--output", job.output), ("--metrics-json", job.metrics_json)):
         if path is None:
             continue
-        if Path(path).is_dir():
+        p = Path(path)
+        if p.is_dir():
             return ConfigError(f"{flag}={path} is a folder; give a file in it")
-        if not Path(path).parent.is_dir():
-            return ConfigError(f"{flag}={path}: folder {Path(path).parent} does not exist")
+        if not p.parent.is_dir():
+            return ConfigError(f"{flag}={path}: folder {p.parent} does not exist")
+        existed = p.exists()
+        try:
+            with open(p, "a"):  # appends nothing; a new file goes again at once
+                pass
+        except OSError as err:
+            return ConfigError(f"{flag}={path}: cannot write there ({err.strerror})")
+        if not existed:
+            p.unlink(missing_ok=True)
     return None
 
 

@@ -187,13 +187,19 @@ def test_resume_refuses_a_file_that_is_no_output_of_this_job(tiny, tmp_path, cap
     notes, noindex = tmp_path / "notes.txt", tmp_path / "noindex.jsonl"
     notes.write_text("my notes\nline two\n")
     noindex.write_text(out.read_text() + '{"note": "hand edit"}\n')
+    # Another job's output with more requests: its records past this job's were kept
+    three = write_prompts(tmp_path / "three.jsonl", [{"input_ids": [3, 4]},
+                                                     {"input_ids": [5, 6]}, {"input_ids": [9]}])
+    bigger = tmp_path / "bigger.jsonl"
+    assert run_main([*base, "--prompts", str(three), "--output", str(bigger)], capsys)[0] == 0
     for prompts, output, needles in [
             (p, notes, ("line 1 is not JSON", "--overwrite")),
             (p, noindex, ("line 3 is no request record",)),
             (other, out, ("line 1: request 0", "another prompt")),
             (hot, out, ("line 1: request 0", "temperature=0.0 (now 1.0)")),
             (stops, out, ("line 1: request 0", "stop_token_ids=[] (now [9])")),
-            (p, p, ("line 1 is no request record",))]:  # the --prompts file
+            (p, p, ("line 1 is no request record",)),  # the --prompts file
+            (p, bigger, ("line 3: request 2 there is not one of this job's 2",))]:
         before = output.read_text()
         rc, err = run_main([*base, "--prompts", str(prompts), "--output", str(output),
                             "--resume"], capsys)
@@ -220,6 +226,10 @@ def test_resume_refuses_a_file_that_is_no_output_of_this_job(tiny, tmp_path, cap
     (["--dist-timeout", "inf"], "--dist-timeout=inf must be a finite number"),
     (["--metrics-json", "/no/such/folder/m.json"], "folder /no/such/folder does not exist"),
     (["--output", "{tmp}"], "is a folder"),
+    # A folder nobody may write in: a traceback after the weights loaded, and for the
+    # metrics after the whole job ran
+    (["--output", "/proc/x.jsonl"], "--output=/proc/x.jsonl: cannot write there"),
+    (["--metrics-json", "/proc/m.json"], "--metrics-json=/proc/m.json: cannot write there"),
     (["--prompts", "{seed}"], "line 1: seed=-1: must be a non-negative integer"),
 ])
 def test_bad_values_that_were_tracebacks(tiny, tmp_path, capsys, argv, needle):

@@ -74,20 +74,29 @@ def test_the_reason_a_client_is_told_leaves_out_what_the_rank_noticed() -> None:
         assert end.reason == end.line
 
 
-def test_a_signal_after_a_peers_config_error_follows_it_out() -> None:
+def test_a_signal_after_a_peers_ending_follows_it_out() -> None:
     """torchrun signals the survivors of a rank that exited: a rank signalled once a peer had
-    posted a configuration error follows that error (exit 2, said by the peer alone); with
-    no such error posted, a signal is a signal."""
-    from dspark_launch.failure import signal_or_follow
+    posted its ending (a configuration error, its own failure, a broken collective) follows
+    it silently, and the job ends as the peer's verdict says; with nothing posted, or only
+    signals, a signal is a signal. (A failure's traceback was followed by "interrupted by
+    SIGTERM", and a timed-out peer's "stopped answering" line by a second one.)"""
+    from dspark_launch.failure import FOLLOWED, signal_or_follow
 
-    assert signal_or_follow(15, {2: config_verdict("budget too small")}) == BROKEN
+    assert signal_or_follow(15, {2: config_verdict("budget too small")}) == FOLLOWED
     assert signal_or_follow(15, {}) == signal_verdict(15)
-    assert signal_or_follow(15, {1: BROKEN, 3: FAILED}) == signal_verdict(15)
+    assert signal_or_follow(15, {1: signal_verdict(15)}) == signal_verdict(15)
+    assert signal_or_follow(15, {1: FAILED}) == signal_or_follow(15, {1: BROKEN}) == FOLLOWED
     answers = {0: signal_or_follow(15, {2: config_verdict("budget too small")}), 1: BROKEN,
                2: config_verdict("budget too small"), 3: BROKEN}
     ends = _all(answers)
     assert [e[0] for e in ends] == [2, 2, 2, 2]
     assert [(e[1], e[2]) for e in ends if e[1]] == [(True, "on rank(s) [2]: budget too small")]
+    # A peer failed on its own (its traceback is out): everyone exits 1, nobody speaks.
+    ends = _all({0: FOLLOWED, 1: FAILED})
+    assert [e[0] for e in ends] == [1, 1] and not any(e[1] for e in ends)
+    # Rank 1 timed out waiting for rank 0 and named it; rank 0, signalled after, is silent.
+    assert conclude(0, 2, {0: FOLLOWED, 1: BROKEN}).speak is False
+    assert conclude(1, 2, {1: BROKEN}).line.startswith("rank(s) [0] of 2 stopped answering")
 
 
 def test_posted_verdicts_reads_what_ranks_posted_in_a_real_store() -> None:

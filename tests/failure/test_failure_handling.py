@@ -247,3 +247,57 @@ def test_config_error_while_a_peer_still_works_is_not_reported_as_a_signal(job: 
                             f"DSPARK_FAULT={faults}"]
     assert "interrupted" not in err
     assert not [p for p in _pids(err) if _alive(p)]
+
+
+def test_sighup_is_a_stop_like_sigterm(job: dict, reference: dict) -> None:
+    """torchrun's agent forwards SIGHUP (a closed terminal) to its workers: they died of it
+    outright (exit 129, the output left in finish order, no line). Now the job stops as on
+    SIGTERM: completed requests written in input order, one line, 128 + 1."""
+    out = job["root"] / "hup.jsonl"
+    proc = _start(LAUNCH + job["flags"] + ["--output", str(out)], out)
+    proc.send_signal(signal.SIGHUP)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 129, err[-2000:]
+    done = _records(out)  # unique and in input order
+    assert 3 <= len(done) < 32 and all(done[i] == reference[i] for i in done)
+    assert _errors(err) == ["dspark_launch: error: interrupted by SIGHUP; completed requests "
+                            "are in the output"]
+    assert not [p for p in _pids(err) if _alive(p)]
+
+
+def test_a_failure_while_a_peer_still_loads_is_not_reported_as_a_signal(job: dict) -> None:
+    """Rank 1 raises while rank 0 is still loading: torchrun SIGTERMs rank 0, which said
+    "interrupted by SIGTERM" under rank 1's traceback. It follows rank 1 out silently."""
+    rc, err, wall = _run(LAUNCH + job["flags"],
+                         {**ENV, "DSPARK_FAULT": "1:load:raise,0:load:stall"})
+    assert rc == 1, err[-3000:]
+    assert wall < 60
+    assert [e for e in _errors(err) if "rank 1 failed during" in e] == [
+        "dspark_launch: error: rank 1 failed during loading: ValueError: fault injected by "
+        "DSPARK_FAULT=1:load:raise,0:load:stall"]
+    assert "interrupted" not in err
+    assert not [p for p in _pids(err) if _alive(p)]
+
+
+def test_a_rank_stopping_past_its_grace_is_not_named_as_dead(job: dict) -> None:
+    """Rank 1 is stalled in step 60 when the job is told to stop: past the stop grace it
+    stops at once. It left without a word in the roll call, so rank 0 named it as having
+    stopped answering (5 s later); it now posts its signal first."""
+    out = job["root"] / "grace.jsonl"
+    proc = _start(LAUNCH + job["flags"] + ["--output", str(out)], out,
+                  {**ENV, "DSPARK_FAULT": "1:60:stall"})
+    time.sleep(1.0)  # steps take milliseconds: rank 1 is in its 10 s stall by then
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-3000:]
+    assert "dspark_launch: rank 1 still in step 60" in err
+    assert "stopped answering" not in err
+    assert not [p for p in _pids(err) if _alive(p)]
+
+
+def test_an_error_before_the_ranks_agree_is_said_once(job: dict) -> None:
+    """--device cuda without a GPU is refused by every rank alike before any collective:
+    each printed it (8 lines at tp8); the node's first rank says it."""
+    rc, err, _ = _run(LAUNCH + job["flags"] + ["--device", "cuda"])
+    assert rc == 2, err[-2000:]
+    assert len([e for e in _errors(err) if "--device=cuda" in e]) == 1, err[-2000:]
