@@ -162,8 +162,11 @@ def main(argv: list[str] | None = None) -> int:
         return run(cfg)
     except LaunchError as err:
         # Raised before the ranks could agree (the device, the topology): alike on a node's
-        # ranks, so its first says it (every rank printed it: 8 lines at tp8)
-        if os.environ.get("LOCAL_RANK", "0") == "0":
+        # ranks, so its first says it (every rank printed it: 8 lines at tp8), or the one the
+        # error names (the lowest rank that joined, for ranks that did not)
+        speaker = getattr(err, "speaker", None)
+        if (os.environ.get("RANK", "0") == str(speaker) if speaker is not None
+                else os.environ.get("LOCAL_RANK", "0") == "0"):
             print(f"dspark_launch: error: {err}", file=sys.stderr, flush=True)
         return err.exit_code
     except KeyboardInterrupt as err:  # a second signal: stop without the step boundary

@@ -131,6 +131,7 @@ class LLM:
                 for delta in processor.process(self.engine.step()):
                     if delta.finished is not None:
                         results[order[delta.rid]] = delta.finished
+            self.engine.settle()
         except BaseException:
             # Ctrl-C (or an error) mid-batch: its requests end at the next step, not run on
             # to max_tokens inside the next generate() while holding their pages.

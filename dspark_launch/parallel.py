@@ -15,13 +15,14 @@ import contextlib
 import datetime
 import gc
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 
-from dspark_launch.errors import ConfigError
+from dspark_launch.errors import ConfigError, RuntimeFailure
 
 
 @dataclass(frozen=True)
@@ -196,8 +197,10 @@ def init_distributed_environment(
         if backend != "nccl":
             device = torch.device("cpu")
     elif "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, store=_launch_store(rank, world_size, timeout),
-                                rank=rank, world_size=world_size, timeout=timeout)
+        store = _launch_store(rank, world_size, timeout)
+        await_peers(store, rank, world_size, timeout_s)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
     else:  # outside torchrun: a world of one, so every collective is the same code path
         if world_size != 1:
             raise ConfigError(f"WORLD_SIZE={world_size} is set but MASTER_ADDR is not")
@@ -232,11 +235,51 @@ def _launch_store(rank: int, world_size: int, timeout: datetime.timedelta) -> di
     else rank 0 does, as with plain env://).
     """
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(
+    store = dist.TCPStore(  # the workers are awaited in Python: await_peers
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-        is_master=rank == 0 and not agent_store, timeout=timeout)
+        is_master=rank == 0 and not agent_store, timeout=timeout, wait_for_workers=False)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"dspark/attempt_{attempt}", store)
+
+
+class NotJoined(RuntimeFailure):
+    """Ranks that never reached the rendezvous: said by the lowest rank that did."""
+
+    def __init__(self, message: str, speaker: int) -> None:
+        super().__init__(message)
+        self.speaker = speaker
+
+
+ARRIVAL_POLL_S = 0.05
+
+
+def await_peers(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
+    """Wait until every rank of the world has reached the store, polling from Python: a
+    signal stops a rank waiting here at once (torchrun's SIGTERM after a peer died before
+    joining), and a peer that never comes is named after --dist-timeout. Inside
+    init_process_group the wait is C++'s, where neither happened: torchrun's SIGKILL came
+    30 s later, and a timeout was a store traceback."""
+    from dspark_launch.failure import Interrupted, progress
+
+    store.set(f"arrived/{rank}", "1")
+    keys = [f"arrived/{r}" for r in range(world_size)]
+    deadline = time.monotonic() + timeout_s
+
+    def missing() -> list[int]:
+        return [r for r, k in enumerate(keys) if not store.check([k])]
+
+    try:
+        while not store.check(keys):
+            if time.monotonic() >= deadline:
+                absent = missing()
+                raise NotJoined(f"rank(s) {absent} of {world_size} did not join within "
+                                f"--dist-timeout={timeout_s:g} s",
+                                speaker=min(r for r in range(world_size) if r not in absent))
+            time.sleep(ARRIVAL_POLL_S)
+    except Interrupted as err:  # say whom it was waiting for (maybe a peer that died)
+        if absent := missing():
+            progress.phase = f"the rendezvous, rank(s) {absent} of {world_size} not there yet"
+        raise Interrupted(err.signum) from None
 
 
 def _new_groups(rank_lists: list[list[int]], backend: str | None, timeout_s: float):

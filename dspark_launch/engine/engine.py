@@ -236,6 +236,18 @@ class Engine:
                     self.policy.forget(out.index)
         return outputs
 
+    def settle(self) -> None:
+        """Collective, once a caller's step loop has ended on every rank: the ranks of each
+        group must have ended with the same commits. A step's commits are compared by the
+        next step's exchange; after the last there was none: a divergence there went
+        unnoticed, and a request that ended on one rank only sent that rank out of its loop
+        into the next collective alone (a gloo mismatch named as a dead peer). This exchange
+        meets such a peer's next step: both raise the divergence, named."""
+        flags, _ = exchange([], self.sched.has_work, commits_digest(self.commits),
+                            self._timing)
+        check_commits(flags.digests, self.steps - 1, self.commits)
+        self.commits = {}
+
     def _exchange(self) -> tuple[Flags, list[tuple]]:
         """The step's first collective: rank 0's client events (waiting up to IDLE_WAIT_S for
         one when nothing runs anywhere), every rank's signal, digest of last step's commits

@@ -152,6 +152,7 @@ def run_job(args: EngineArgs, job: JobArgs) -> int:
                 on_finish([request_record(o) for o in finished])
             if not engine.has_work:
                 break
+        engine.settle()
     finally:
         if progress is not None:
             progress.close()

@@ -98,3 +98,50 @@ def test_divergent_rank_is_named_at_the_next_step(model: str, prompts: str) -> N
     assert said[0].startswith("dspark_launch: error: ranks [2, 3] of one attn_tp group "
                               "committed different tokens at step 3: request(s) ['")
     assert "rank 2 [" in said[0] and "rank 3 [" in said[0]
+
+
+def test_divergence_at_the_last_step_is_named_too(model: str, prompts: str) -> None:
+    """A step's commits were compared by the next step's all-gather, and the last step has
+    none: rank 1 committing another token at the job's last step went unnoticed (exit 0).
+    The job's closing exchange compares them and names it."""
+    argv = [*_flags(model, prompts), "--tp-size", "2"]
+    clean = run_world(2, _rank_main, argv, {}, None, timeout=90)
+    assert [rc for rc, *_ in clean] == [0, 0]
+    last = clean[0][3]  # the last step either rank began
+    results = run_world(2, _rank_main, argv, {}, None, timeout=90,
+                        env={"DSPARK_FAULT": f"1:{last}:diverge"})
+    assert [rc for rc, *_ in results] == [1, 1]
+    said = [line for _, lines, *_ in results for line in lines]
+    assert len(said) == 1 and said[0].startswith(
+        f"dspark_launch: error: ranks [0, 1] of one attn_tp group committed different tokens "
+        f"at step {last}: request(s) ['"), said
+
+
+def _late_rank_main(rank: int, argv: list[str], late_s: float, term_after: float | None):
+    """Rank 1 joins late_s seconds late (a node still starting, or one that died)."""
+    if rank == 1:
+        time.sleep(late_s)
+        return None
+    return _rank_main(rank, argv, {}, term_after)
+
+
+def test_a_rank_that_never_joins_is_named_after_the_timeout(model: str, prompts: str) -> None:
+    """The world's rendezvous waited inside C++ (init_process_group): past --dist-timeout a
+    store traceback, and no signal was heard meanwhile. Now a Python poll names the ranks
+    that did not come, in one line from the lowest rank that did."""
+    argv = [*_flags(model, prompts), "--dist-timeout", "3"]
+    rc, said, wall, _ = run_world(2, _late_rank_main, argv, 8.0, None, timeout=60)[0]
+    assert rc == 1 and wall < 8
+    assert said == ["dspark_launch: error: rank(s) [1] of 2 did not join within "
+                    "--dist-timeout=3 s"]
+
+
+def test_sigterm_while_waiting_for_a_rank_to_join_stops_at_once(model: str,
+                                                                  prompts: str) -> None:
+    """torchrun SIGTERMs the survivors of a rank that died before joining: the wait in C++
+    heard it only at torchrun's SIGKILL, 30 s later."""
+    rc, said, wall, _ = run_world(2, _late_rank_main, _flags(model, prompts), 10.0, 1.0,
+                                  timeout=60)[0]
+    assert rc == 143 and wall < 5, (rc, wall)
+    assert said == ["dspark_launch: error: interrupted by SIGTERM; stopped during the "
+                    "rendezvous, rank(s) [1] of 2 not there yet, before any request ran"]
