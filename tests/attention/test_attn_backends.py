@@ -131,6 +131,10 @@ def test_triton_backend_requires_interpreter_on_cpu(monkeypatch, caplog):
     with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):  # exit 2, one line
         make_backend("triton", torch.device("cpu"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from dspark_launch.log import logger
+
+    # A job run earlier in this worker (setup_logging) stops propagation to caplog.
+    monkeypatch.setattr(logger, "propagate", True)
     with caplog.at_level("WARNING", logger="dspark_launch"):
         make_backend("triton", torch.device("cpu"))
     assert sum("slow" in r.getMessage() for r in caplog.records) == 1
