@@ -275,3 +275,56 @@ def test_ngram_lookup_property(ids, max_n, k):
             if ids[s:s + n] == ids[-n:] and ext[s + n:s + n + k] == out:
                 ok = True
     assert ok
+
+
+def _sorted_filters(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """Oracle: each row on its own, sorting its whole vocabulary (transformers' top-k keeps
+    ties with the k-th; top-p the smallest sorted prefix reaching the mass)."""
+    out = []
+    for row, p in zip(logits.double(), params):
+        if p.temperature < 1e-5:
+            out.append(torch.nn.functional.one_hot(row.argmax(), row.numel()).double())
+            continue
+        x = row / p.temperature
+        if p.top_k:
+            kth = torch.sort(x, descending=True).values[min(p.top_k, x.numel()) - 1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        probs = torch.softmax(x, -1)
+        if p.top_p < 1:
+            sorted_p, order = torch.sort(probs, descending=True)
+            keep = (sorted_p.cumsum(0) - sorted_p) < p.top_p
+            keep[0] = True
+            probs = torch.zeros_like(probs).scatter(0, order, sorted_p * keep)
+            probs = probs / probs.sum()
+        out.append(probs)
+    return torch.stack(out).float()
+
+
+def test_filters_match_a_per_row_sort_of_the_vocabulary():
+    """The filters look at each row's most likely tokens through a top-k of the largest k
+    asked (and top-p only at the rows that have one, over their top-k where each has one)
+    instead of sorting every row of the vocabulary; the result is the sorted oracle's, for
+    mixed rows, draft-block rows (repeat) and greedy rows among them."""
+    from dspark_launch.engine.params import SamplingParams
+    from dspark_launch.spec.sampling import SamplingRows, target_probs
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = 3000
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=20),
+              SamplingParams(temperature=1.3, top_p=0.9),
+              SamplingParams(temperature=0.6, top_k=20, top_p=0.95),
+              SamplingParams(temperature=1.0, top_k=5, top_p=0.5),
+              SamplingParams(temperature=0.0, top_k=3, top_p=0.2),
+              SamplingParams(temperature=1.0, top_k=vocab + 7)]
+    logits = torch.randn(len(params), vocab, generator=gen) * 3
+    rows = SamplingRows.build(params, list(range(len(params))), [0] * len(params), "cpu")
+    torch.testing.assert_close(target_probs(logits, rows), _sorted_filters(logits, params),
+                               atol=1e-6, rtol=1e-5)
+    # Only rows with top-k among the nucleus rows: the narrow path (a top-k of width 20)
+    narrow = [params[1], params[3], params[4]]
+    rows = SamplingRows.build(narrow, [1, 2, 3], [0] * 3, "cpu").repeat(2)
+    block = logits[[1, 1, 3, 3, 4, 4]]
+    assert rows.top_p_width == 20
+    torch.testing.assert_close(target_probs(block, rows),
+                               _sorted_filters(block, [p for p in narrow for _ in (0, 1)]),
+                               atol=1e-6, rtol=1e-5)
