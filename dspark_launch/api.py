@@ -100,7 +100,8 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         return SamplingParams(**default_sampling(self.engine))
 
-    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+    def generate(self, prompts: str | Sequence[int] | Mapping
+                 | Sequence[str | Sequence[int] | Mapping],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  ) -> list[CompletionOutput]:
         """Run every prompt to the end; outputs in input order, the same on every rank."""
@@ -142,8 +143,9 @@ class LLM:
         return results  # type: ignore[return-value]
 
     def _prompts(self, prompts) -> tuple[list[list[int]], list[str | None]]:
-        """A prompt is text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids":
-        ids}; one prompt or a list of them."""
+        """A prompt is text, token ids (a list, or a 1-D numpy array or tensor), or vLLM's
+        {"prompt": text} / {"prompt_token_ids": ids}; one prompt or a list of them."""
+        prompts = _listed(prompts)
         if isinstance(prompts, (str, Mapping)) or (
                 isinstance(prompts, Sequence) and prompts and _is_id(prompts[0])):
             prompts = [prompts]
@@ -153,7 +155,8 @@ class LLM:
                 if set(p) not in ({"prompt"}, {"prompt_token_ids"}):
                     raise TypeError(f"prompt {i}: a dict prompt has one key, 'prompt' (text) "
                                     f"or 'prompt_token_ids' (token ids), got {sorted(p)}")
-                p = p.get("prompt", p.get("prompt_token_ids"))
+                p = _listed(p.get("prompt", p.get("prompt_token_ids")))
+            p = _listed(p)
             if isinstance(p, str):
                 if self.tokenizer is None:
                     raise ValueError(f"prompt {i} is text but the checkpoint has no "
@@ -208,6 +211,11 @@ def _world_size() -> int:
     import torch.distributed as dist
 
     return dist.get_world_size() if dist.is_initialized() else launch_world_size()
+
+
+def _listed(x):
+    """A numpy array or a tensor as the Python list it holds (ids, or lists of ids)."""
+    return x.tolist() if hasattr(x, "tolist") and hasattr(x, "ndim") else x
 
 
 def _is_id(t) -> bool:

@@ -193,9 +193,9 @@ def build_parser(serve: bool = False) -> argparse.ArgumentParser:
     g = p.add_argument_group("requests")
     g.add_argument("--prompt", default=None, help=job("one prompt text"))
     g.add_argument("--prompts", default=None,
-                   help=job("JSONL ({'prompt'|'input_ids', 'id', and any of max_new_tokens, "
-                            "temperature, top_p, top_k, seed, min_tokens, stop_token_ids, "
-                            "ignore_eos}) or plain text, one prompt per line"))
+                   help=job("JSONL ({'prompt'|'input_ids', 'id', and any of max_new_tokens "
+                            "(or max_tokens), temperature, top_p, top_k, seed, min_tokens, "
+                            "stop_token_ids, ignore_eos}) or plain text, one prompt per line"))
     g.add_argument("--max-new-tokens", type=int, default=128, help=job(None))
     g.add_argument("--chunked-prefill-size", type=int, default=512,
                    help="prefill tokens per step per attn_dp group")
@@ -368,7 +368,7 @@ def resolve_config(argv: list[str] | None = None, world_size: int | None = None)
 
 
 def validate_server_flags(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    for flag in ("prompt", "prompts", "output", "resume", "plan"):
+    for flag in ("prompt", "prompts", "output", "resume", "plan", "json"):
         if getattr(ns, flag):
             raise ConfigError(f"--{flag} does not apply to `serve` (requests come over HTTP)")
     # Accepted and ignored before: a server given --temperature 0.7 answered greedily

@@ -89,6 +89,19 @@ class Progress:
 progress = Progress()
 _received: list[int] = []
 STOP_SIGNALS = tuple(EXIT_CODES)
+# SIGHUP / SIGQUIT the process inherited as ignored (nohup) stay ignored: a job started under
+# nohup ran on when its terminal closed, and must. Decided at the first install, before any
+# handler of ours replaced the inherited disposition.
+_inherited_ignored: set[int] | None = None
+
+
+def stop_signals() -> tuple[int, ...]:
+    """The stop signals this process handles (serve's loop installs the same ones)."""
+    global _inherited_ignored
+    if _inherited_ignored is None:
+        _inherited_ignored = {s for s in (signal.SIGHUP, signal.SIGQUIT)
+                              if signal.getsignal(s) is signal.SIG_IGN}
+    return tuple(s for s in STOP_SIGNALS if s not in _inherited_ignored)
 
 
 _record_only = [False]  # while a rank is already stopping: remember signals, never raise
@@ -188,7 +201,7 @@ _previous_unraisable_hook = [sys.__unraisablehook__]  # whoever printed them bef
 def install_signal_handlers() -> None:
     _received.clear()
     _record_only[0], _lost[0] = False, None
-    for sig in STOP_SIGNALS:
+    for sig in stop_signals():
         signal.signal(sig, _on_signal)
     if sys.unraisablehook is not _on_unraisable:
         _previous_unraisable_hook[0] = sys.unraisablehook
@@ -320,11 +333,13 @@ def conclude(rank: int, world_size: int, answers: dict[int, str], noticed: str =
         return Conclusion(EXIT_CODES.get(signum, 1), rank == 0, line, line)
     configs = {r: v for r, v in answers.items() if v.startswith("config ")}
     if configs:
-        same = sorted(r for r, v in configs.items() if v == mine)
-        message = mine[len("config "):]
+        # A rank that followed a peer's error out tells (a client) the lowest rank's error
+        said = mine if mine in configs.values() else configs[min(configs)]
+        same = sorted(r for r, v in configs.items() if v == said)
+        message = said[len("config "):]
         if len(same) < world_size:
             message = f"on rank(s) {same}: {message}"
-        return Conclusion(2, bool(same) and rank == same[0], message, message)
+        return Conclusion(2, mine == said and rank == same[0], message, message)
     failed = sorted(r for r, v in answers.items() if v == FAILED)
     if failed:  # it printed its own traceback; the others only follow it out
         line = f"rank(s) {failed} failed during {progress.where()}"

@@ -1,7 +1,9 @@
-"""What the "model" policy saves by sleeping between the probes of a drafter it wrote off.
+"""What a policy saves by sleeping: the "model" policy between the probes of a drafter it wrote
+off, or (--policy adaptive) a verify ladder settled at plain decoding (its dormant steps).
 
-    python scripts/bench_model_sleep.py [--batch 16] [--temperature 1] [--num-prompts 512]
-        [--repeats 3] [--algorithms DFLASH DSPARK] [--out docs/bench/bench_model_sleep.json]
+    python scripts/bench_model_sleep.py [--policy model|adaptive] [--batch 16]
+        [--temperature 1] [--num-prompts 512] [--repeats 3] [--algorithms DFLASH DSPARK]
+        [--out docs/bench/bench_model_sleep.json]
 
 `--speculative-policy model` probes a drafter that drafts nothing every 32 to 512 steps; once
 its probes are spaced past 32 it plans nothing before the next one, and its steps up to
@@ -36,6 +38,7 @@ AWAKE = "/awake"
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--policy", choices=("model", "adaptive"), default="model")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--num-prompts", type=int, default=512)
@@ -65,9 +68,18 @@ def main() -> None:
         def adjust(name: str, engine) -> None:
             if engine.policy is None:
                 return
-            engine.policy.mode = "model"  # before its first step: its ladders are one arm
-            if name.endswith(AWAKE):
-                engine.policy._model_asleep = lambda: False
+            policy = engine.policy
+            if args.policy == "model":
+                policy.mode = "model"  # before its first step: its ladders are one arm
+            if name.endswith(AWAKE):  # every step writes the draft's context
+                plan = policy.plan
+
+                def awake(*a, plan=plan, policy=policy, **kw):
+                    lengths = plan(*a, **kw)
+                    policy.dormant = False
+                    return lengths
+
+                policy.plan = awake
             policies[name] = engine.policy
             context[name] = [0.0, 0]
             draft = engine.proposer.draft
@@ -99,8 +111,7 @@ def main() -> None:
                 flush=True)
     finally:
         destroy_parallel_runtime()
-    out = {"meta": {"cpu": cpu_model(), "torch": torch.__version__, "policy": "model",
-                    **vars(args)},
+    out = {"meta": {"cpu": cpu_model(), "torch": torch.__version__, **vars(args)},
            "results": {n: {"speedup_vs_none": statistics.median(ratios[n]), "runs": ratios[n],
                            "tau": statistics.median(taus[n]),
                            **({"dormant_steps": policies[n].metrics.dormant_steps,

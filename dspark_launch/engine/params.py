@@ -45,7 +45,8 @@ class SamplingParams:
         for name in ("stop", "stop_token_ids"):
             value = getattr(self, name) or ()
             if not isinstance(value, (list, tuple)):
-                raise ParamError(name, f"{name}={value!r}: must be a list")
+                raise ParamError(name, f"{name}={value!r}: must be a list" + (
+                    " or a string" if name == "stop" else ""))
             object.__setattr__(self, name, tuple(value))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)

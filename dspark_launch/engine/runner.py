@@ -5,6 +5,7 @@ written (on rank 0) as requests finish."""
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,14 +87,15 @@ def writable(job: JobArgs) -> ConfigError | None:
             return ConfigError(f"{flag}={path} is a folder; give a file in it")
         if not p.parent.is_dir():
             return ConfigError(f"{flag}={path}: folder {p.parent} does not exist")
-        existed = p.exists()
         try:
-            with open(p, "a"):  # appends nothing; a new file goes again at once
-                pass
+            if p.exists():
+                with open(p, "a"):  # appends nothing
+                    pass
+            else:  # a scratch file beside where it will be (a dangling link stays as it is)
+                with tempfile.NamedTemporaryFile(dir=p.resolve().parent):
+                    pass
         except OSError as err:
             return ConfigError(f"{flag}={path}: cannot write there ({err.strerror})")
-        if not existed:
-            p.unlink(missing_ok=True)
     return None
 
 

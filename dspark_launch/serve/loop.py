@@ -5,10 +5,10 @@ thread-safe and wakes an idle step); every rank calls Engine.step(); rank 0 turn
 into text (OutputProcessor) and hands them to the waiting handlers.
 
 Shutdown is one agreed decision per step: a tiny all-gather carries each rank's stop signal
-and rank 0's phase (time decides the grace period, so one rank must decide). On SIGTERM/SIGINT
-(on any rank) rank 0 stops accepting, lets in-flight requests finish for up to
-`--shutdown-grace` seconds, aborts the rest, and every rank leaves after the same step with
-exit code 143/130.
+and rank 0's phase (time decides the grace period, so one rank must decide). On a stop signal
+(SIGTERM, SIGINT, SIGHUP, SIGQUIT; on any rank) rank 0 stops accepting, lets in-flight requests
+finish for up to `--shutdown-grace` seconds, aborts the rest, and every rank leaves after the
+same step with exit code 128 + the signal (143, 130, 129, 131).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from enum import IntEnum
 
 from dspark_launch.comm import all_gather_ints
 from dspark_launch.engine.request import RequestSpec
-from dspark_launch.failure import EXIT_CODES, StopNow, watch_step
+from dspark_launch.failure import EXIT_CODES, StopNow, stop_signals, watch_step
 from dspark_launch.log import logger
 from dspark_launch.outputs import OutputProcessor
 from dspark_launch.parallel import get_parallel
@@ -48,7 +48,7 @@ def install_serve_signal_handlers() -> None:
     """Signals only set a flag that this loop exchanges (the engine's own per-step signal stop
     would end the server without its grace period)."""
     _signals.clear()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in stop_signals():  # SIGHUP / SIGQUIT too: they took the engine's hard stop
         signal.signal(sig, _on_signal)
 
 
@@ -80,7 +80,8 @@ class ServeLoop:
     # ------------------------------------------------------------ every rank
 
     def run(self) -> int:
-        """Serve until a stop signal; returns the exit code (143 SIGTERM, 130 SIGINT)."""
+        """Serve until a stop signal; returns the exit code (128 + the signal: 143 SIGTERM,
+        130 SIGINT, 129 SIGHUP, 131 SIGQUIT)."""
         rank0 = get_parallel().rank == 0
         while True:
             rows = all_gather_ints([_signals[0] if _signals else 0, int(self.phase),

@@ -726,6 +726,7 @@ def format_policy(report: dict) -> str:
         f"{cls} cap {lad['current']['cap']}{' (model)' if lad['current']['model'] else ''}"
         f" after {lad['steps']} steps ({lad['tries']} trying a neighbour)"
         for group in report.get("ladders", []) for cls, lad in group.items())
+
     def tau(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.2f}"
 

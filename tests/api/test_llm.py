@@ -224,8 +224,11 @@ def _prompt_shapes_and_interrupts(rank: int, bare_model: str) -> dict:
         out["dicts"] = [o.token_ids for o in llm.generate(
             [{"prompt": prompt}, {"prompt_token_ids": ids}], greedy)]
         out["one_dict"] = llm.generate({"prompt": prompt}, greedy)[0].token_ids
-        out["numpy_ids"] = llm.generate([np.array(ids).tolist()[:3] + [np.int64(ids[3])]],
-                                        greedy)[0].token_ids
+        out["numpy_ids"] = [o.token_ids for o in (
+            llm.generate([np.array(ids).tolist()[:3] + [np.int64(ids[3])]], greedy)
+            + llm.generate(np.array(ids[:4]), greedy)
+            + llm.generate([np.array(ids[:4])], greedy)
+            + llm.generate({"prompt_token_ids": np.array(ids[:4])}, greedy))]
         out["ids4"] = llm.generate([ids[:4]], greedy)[0].token_ids
         for bad, sp in (([None], greedy), ([ids, [3, None]], greedy),
                         ({"text": prompt}, greedy), ([prompt, prompt], [greedy, {"n": 1}])):
@@ -277,7 +280,7 @@ def test_prompt_shapes_bad_prompts_interrupts_and_no_tokenizer(tiny):
 
     r = run_world(1, _prompt_shapes_and_interrupts, str(tiny.target), timeout=300)[0]
     assert r["dicts"] == [r["text"], r["text"]] and r["one_dict"] == r["text"]
-    assert r["numpy_ids"] == r["ids4"]
+    assert r["numpy_ids"] == [r["ids4"]] * 4
     assert r["errors"] == [
         "prompt 0 must be a string or a list of token ids, got NoneType",
         "prompt 1 must be a string or a list of token ids, got a list holding NoneType None",

@@ -309,3 +309,25 @@ def test_read_back_refused_line_fields(tiny, tmp_path):
                 "completion_tokens", "accept_lens", "ttft_s", "latency_s", "error"):
         assert key in rec
     assert job.records[1]["completion_tokens"] == 2 or job.records[1]["output_ids"][-1] == 1
+
+
+def test_a_dangling_link_as_output_is_left_as_it_is(tmp_path):
+    """The check that --output may be written made its file and removed it; given a link to
+    a file not there yet, it created the target and removed the link."""
+    from dspark_launch.engine.runner import JobArgs, writable
+
+    link, target = tmp_path / "out.jsonl", tmp_path / "real" / "out.jsonl"
+    target.parent.mkdir()
+    link.symlink_to(target)
+    assert writable(JobArgs(output=str(link))) is None
+    assert link.is_symlink() and not target.exists()
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        import os
+
+        if os.geteuid() != 0:  # root writes anywhere
+            assert "cannot write there" in str(writable(JobArgs(output=str(ro / "o.jsonl"))))
+    finally:
+        ro.chmod(0o700)

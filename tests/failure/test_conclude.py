@@ -110,3 +110,36 @@ def test_posted_verdicts_reads_what_ranks_posted_in_a_real_store() -> None:
     store.set(f"{VERDICT_KEY}/0", BROKEN)
     assert posted_verdicts(store, 4) == {0: BROKEN, 2: config_verdict("A")}
     assert posted_verdicts(store, 4, skip={0}) == {2: config_verdict("A")}
+
+
+def test_a_follower_of_a_config_error_tells_that_error() -> None:
+    """Its reason (what a server's client is told) was "on rank(s) []: d": the follower's
+    own verdict sliced as if it were the error."""
+    from dspark_launch.failure import FOLLOWED
+
+    end = conclude(0, 2, {0: FOLLOWED, 1: config_verdict("budget too small")})
+    assert (end.exit_code, end.speak, end.reason) == (2, False,
+                                                      "on rank(s) [1]: budget too small")
+
+
+def test_sighup_is_handled_unless_inherited_ignored() -> None:
+    """SIGHUP and SIGQUIT stop a job or a server like SIGTERM (the server drains: its loop
+    installs the same signals), but a process started under nohup keeps ignoring SIGHUP:
+    the job ran on when its terminal closed, and must. In fresh interpreters (the handlers
+    are process-wide)."""
+    import subprocess
+    import sys
+
+    code = ("import signal\n{pre}"
+            "from dspark_launch.failure import install_signal_handlers\n"
+            "from dspark_launch.serve.loop import _on_signal, install_serve_signal_handlers\n"
+            "install_signal_handlers()\n"
+            "job = signal.getsignal(signal.SIGHUP)\n"
+            "install_serve_signal_handlers()\n"
+            "print(job is signal.SIG_IGN, signal.getsignal(signal.SIGHUP) is _on_signal,"
+            " signal.getsignal(signal.SIGQUIT) is _on_signal)\n")
+    for pre, want in (("", "False True True"),
+                      ("signal.signal(signal.SIGHUP, signal.SIG_IGN)\n", "True False True")):
+        out = subprocess.run([sys.executable, "-c", code.format(pre=pre)], capture_output=True,
+                             text=True, timeout=60)
+        assert out.stdout.split() == want.split(), out.stderr[-2000:]
