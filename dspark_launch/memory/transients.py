@@ -33,6 +33,15 @@ from dspark_launch.errors import LaunchError
 from dspark_launch.parallel import get_parallel
 
 FP32 = 4
+# Rows whose distributions spec/sampling.py makes at once (like DEFERRED_CONTEXT_ROWS, a
+# bound the price holds the code to). Their filters' temporaries were made for every row of
+# the step at once: 41 bytes a token of the vocabulary per logit row, where 16 were priced.
+SAMPLING_CHUNK_ROWS = 64
+# What making one row's distribution needs at most on top of its fp32 logits, per token of
+# the vocabulary, while its chunk is made:
+# top_p's full sort measured 33 bytes (values, int64 order, cumsum, masks, the scattered
+# result), a half-precision model's fp32 copy of its logits 4 more.
+SAMPLING_WORKSPACE_BYTES = 40
 # Context rows a block drafter may let wait for the draft pool (spec/block_drafter.py): they
 # live across steps, so they are priced on top of every step's peak.
 DEFERRED_CONTEXT_ROWS = 256
@@ -129,6 +138,10 @@ def price_step(s: StepShape) -> Transients:
     sampled_row = shard + pieces + s.attn_tp_size * shard + 2 * v * FP32
     row = max(greedy_row, sampled_row)  # a step's rows take one path or the other
     q_rows = s.max_running * s.draft_slots
+
+    def workspace(rows: int) -> int:  # the filters' chunk (spec/sampling.py)
+        return min(rows, SAMPLING_CHUNK_ROWS) * v * SAMPLING_WORKSPACE_BYTES
+
     all_groups = s.attn_dp_size * s.forward_rows  # the MLP multiplies every group's rows
     gather = d if s.attn_dp_size > 1 else 0
     mlp_width = gather + 3 * (s.intermediate_size // s.tp_size) + d  # gate|up, act, out
@@ -140,8 +153,8 @@ def price_step(s: StepShape) -> Transients:
     attn_width = (4 * (q_local + 2 * kv_local) + 2 * q_local) * s.head_dim + 4 * d
     return Transients(
         verify_logits=s.logit_rows * greedy_row,
-        sampler=s.logit_rows * (row - greedy_row),
-        draft=q_rows * row,
+        sampler=s.logit_rows * (row - greedy_row) + workspace(s.logit_rows),
+        draft=q_rows * row + (workspace(q_rows) if q_rows else 0),
         draft_q=q_rows * v * FP32,
         features=s.forward_rows * s.captured_layers * d * it,
         attention=s.forward_rows * attn_width * it,

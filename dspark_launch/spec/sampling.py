@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark_launch.attention import upload
+from dspark_launch.memory.transients import SAMPLING_CHUNK_ROWS  # the filters' priced chunk
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (engine.params.GREEDY_BELOW)
 # A top_k past the vocabulary keeps every token (target_probs clamps it to the row's width);
@@ -27,10 +28,10 @@ class SamplingRows:
     any_greedy: bool
     top_k_max: int  # the largest top_k of a sampled row (0: no row has one)
     # Host-known, so that neither filter reads the device: the sampled rows with a top_p
-    # below 1 ([M] int64 on the device; None: none), and how many of each row's most likely
-    # tokens the filter must look at (0: the whole vocabulary; else, when every such row has a
-    # top_k, the largest of theirs: the rest of the row is 0 already)
-    top_p_rows: torch.Tensor | None
+    # below 1, and how many of each row's most likely tokens the filter must look at (0: the
+    # whole vocabulary; else, when every such row has a top_k, the largest of theirs: the
+    # rest of the row is 0 already)
+    top_p_rows: list[int]
     top_p_width: int
     temperature: torch.Tensor | None  # [N] fp32, 1 on greedy rows
     top_p: torch.Tensor | None  # [N] fp32
@@ -48,7 +49,7 @@ class SamplingRows:
         top_k = [min(p.top_k, TOP_K_ALL) for p in params]
         ints = upload([keys, positions, top_k], torch.int64, device).reshape(3, n)
         if all(greedy):
-            return cls(n, True, True, 0, None, 0, None, None, None, None, ints[0], ints[1])
+            return cls(n, True, True, 0, [], 0, None, None, None, None, ints[0], ints[1])
         floats = upload([[1.0 if g else p.temperature for p, g in zip(params, greedy)],
                          [p.top_p for p in params], [float(g) for g in greedy]],
                         torch.float32, device).reshape(3, n)
@@ -57,49 +58,65 @@ class SamplingRows:
         width = max((top_k[i] for i in nucleus), default=0) \
             if all(top_k[i] > 0 for i in nucleus) else 0
         return cls(n, False, any(greedy), max((top_k[i] for i in sampled), default=0),
-                   upload(nucleus, torch.int64, device) if nucleus else None, width,
-                   floats[0], floats[1], ints[2], floats[2] > 0.5, ints[0], ints[1])
+                   nucleus, width, floats[0], floats[1], ints[2], floats[2] > 0.5, ints[0],
+                   ints[1])
 
     def repeat(self, k: int) -> SamplingRows:
         """Each row becomes k rows for consecutive positions (a draft block's slots)."""
         def rep(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.repeat_interleave(k)
 
-        device = self.keys.device
-        offsets = torch.arange(k, device=device).repeat(self.n)
-        nucleus = None if self.top_p_rows is None else \
-            (self.top_p_rows[:, None] * k + torch.arange(k, device=device)).reshape(-1)
+        offsets = torch.arange(k, device=self.keys.device).repeat(self.n)
         return SamplingRows(self.n * k, self.all_greedy, self.any_greedy, self.top_k_max,
-                            nucleus, self.top_p_width,
+                            [i * k + j for i in self.top_p_rows for j in range(k)],
+                            self.top_p_width,
                             rep(self.temperature), rep(self.top_p), rep(self.top_k),
                             rep(self.greedy), rep(self.keys), rep(self.positions) + offsets)
 
 
 def target_probs(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     """logits [N, V] -> probabilities [N, V] fp32 (temperature, top-k, top-p per row; greedy
-    rows one-hot at the argmax, ties to the lowest id)."""
-    logits = logits.float()
+    rows one-hot at the argmax, ties to the lowest id), SAMPLING_CHUNK_ROWS rows at a time."""
+    n, vocab = logits.shape
     if rows.all_greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return _one_hot(logits.argmax(-1), vocab)
+    if n <= SAMPLING_CHUNK_ROWS:
+        return _chunk_probs(logits, rows, 0, n)
+    probs = torch.empty(n, vocab, dtype=torch.float32, device=logits.device)
+    for a in range(0, n, SAMPLING_CHUNK_ROWS):
+        b = min(n, a + SAMPLING_CHUNK_ROWS)
+        probs[a:b] = _chunk_probs(logits[a:b], rows, a, b)
+    return probs
+
+
+def _chunk_probs(logits: torch.Tensor, rows: SamplingRows, a: int, b: int) -> torch.Tensor:
+    """Rows [a, b) of target_probs: logits [b - a, V] -> [b - a, V] fp32."""
     assert rows.temperature is not None and rows.greedy is not None
-    x = logits / rows.temperature[:, None]
+    x = logits.float() / rows.temperature[a:b, None]
     vocab = x.shape[-1]
     if rows.top_k_max:
         # The k-th largest logit from a top-k over the largest k asked, not a sort of the
         # vocabulary (every row was sorted once any row had a top_k: 825 ms for 64 rows of
         # 152k tokens, against 7 ms). Ties with the k-th stay, as in transformers and vLLM.
-        k = rows.top_k.clamp(0, vocab)
-        largest = torch.topk(x, min(rows.top_k_max, vocab), dim=-1).values  # [N, kmax]
-        kth = largest.gather(1, (k - 1).clamp(0, largest.shape[1] - 1)[:, None])  # [N, 1]
-        x = x.masked_fill((k[:, None] > 0) & (x < kth), float("-inf"))
+        k = rows.top_k[a:b].clamp(0, vocab)
+        largest = torch.topk(x, min(rows.top_k_max, vocab), dim=-1).values  # [C, kmax]
+        kth = largest.gather(1, (k - 1).clamp(0, largest.shape[1] - 1)[:, None])  # [C, 1]
+        x.masked_fill_((k[:, None] > 0) & (x < kth), float("-inf"))
     probs = torch.softmax(x, dim=-1)
-    if rows.top_p_rows is not None:
-        at = rows.top_p_rows
-        probs = probs.index_copy(0, at, _nucleus(probs[at], rows.top_p[at], rows.top_p_width))
-    if not rows.any_greedy:
-        return probs
-    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    return torch.where(rows.greedy[:, None], one_hot, probs)
+    del x
+    if nucleus := [i - a for i in rows.top_p_rows if a <= i < b]:
+        at = upload(nucleus, torch.int64, probs.device)
+        probs[at] = _nucleus(probs[at], rows.top_p[a:b][at], rows.top_p_width)
+    if rows.any_greedy:
+        greedy = rows.greedy[a:b, None]
+        probs = torch.where(greedy, _one_hot(logits.argmax(-1), vocab), probs)
+    return probs
+
+
+def _one_hot(index: torch.Tensor, vocab: int) -> torch.Tensor:  # [N] -> [N, V] fp32
+    """fp32 from the start (one_hot's own result is int64: twice the bytes, then a copy)."""
+    return torch.zeros(index.shape[0], vocab, device=index.device).scatter_(
+        1, index[:, None], 1.0)
 
 
 def _nucleus(

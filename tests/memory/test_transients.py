@@ -314,3 +314,26 @@ def test_priced_transients_cover_a_real_runs_peak(algorithm: str) -> None:
     priced = price_step(shape).total
     print(f"{algorithm}: measured {peak} B, priced {priced} B")
     assert 0 < peak <= priced, (peak, priced, price_step(shape))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows_kind", ["top_p", "top_k+top_p", "greedy+top_p"])
+def test_the_filters_stay_within_their_priced_chunk(dtype, rows_kind) -> None:
+    """Making sampled distributions allocates at most the fp32 result and the filters'
+    chunk workspace that price_step reserves (SAMPLING_CHUNK_ROWS rows at
+    SAMPLING_WORKSPACE_BYTES a token): top_p and greedy rows among sampled ones were made for
+    every row at once, 41 bytes a token of the vocabulary per row where 16 were priced."""
+    from dspark_launch.engine.params import SamplingParams
+    from dspark_launch.memory.transients import SAMPLING_CHUNK_ROWS, SAMPLING_WORKSPACE_BYTES
+    from dspark_launch.spec.sampling import SamplingRows, target_probs
+
+    n, vocab = 3 * SAMPLING_CHUNK_ROWS + 5, 8192
+    kinds = {"top_p": [SamplingParams(top_p=0.9)] * n,
+             "top_k+top_p": [SamplingParams(top_k=20, top_p=0.95)] * n,
+             "greedy+top_p": [SamplingParams(temperature=0.0) if i % 2 else
+                              SamplingParams(top_p=0.9) for i in range(n)]}
+    rows = SamplingRows.build(kinds[rows_kind], list(range(n)), [0] * n, "cpu")
+    logits = torch.randn(n, vocab).to(dtype)
+    peak = _torch_peak(lambda: target_probs(logits, rows))
+    priced = n * vocab * 4 + SAMPLING_CHUNK_ROWS * vocab * SAMPLING_WORKSPACE_BYTES
+    assert 0 < peak <= priced, (peak, priced)
