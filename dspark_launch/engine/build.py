@@ -19,7 +19,7 @@ from dspark_launch.engine.verify_policy import build_verify_policy
 from dspark_launch.engine.warmup import largest_batch_step
 from dspark_launch.errors import ConfigError, require_positive
 from dspark_launch.log import logger
-from dspark_launch.memory.budget import configure_memory, measure_free_bytes
+from dspark_launch.memory.budget import configure_memory, context_of_pool, measure_free_bytes
 from dspark_launch.memory.build import build_kv_memory
 from dspark_launch.memory.geometry import KVGeometry
 from dspark_launch.memory.radix_cache import RadixCache
@@ -186,11 +186,7 @@ def build_engine(args: EngineArgs) -> Engine:
                       parts.draft)
     plan = configure_memory(args, target_geometry(target), parts.geometry, device, free_before,
                             step, model_limit + round_rows)
-    context_limit = min(model_limit, plan.max_total_tokens - round_rows + 1)
-    if context_limit < 2:
-        raise ConfigError(
-            f"the KV pool holds {plan.max_total_tokens} tokens per rank, too few for one "
-            f"round of {round_rows} rows; raise --kv-cache-memory or --max-total-tokens")
+    context_limit = context_of_pool(plan.max_total_tokens, model_limit, round_rows)
     memory = build_kv_memory(plan, target_geometry(target), parts.geometry,
                              args.max_running_requests, context_limit + round_rows, device,
                              target, parts.draft)

@@ -185,6 +185,19 @@ class MemoryPlan:
         return out
 
 
+def context_of_pool(max_total_tokens: int, model_limit: int, round_rows: int) -> int:
+    """The context a pool of `max_total_tokens` rows per rank serves: the model's, unless
+    one request's prompt and its round's rows do not fit; refused below 2 (a prompt and one
+    new token). The launch and --plan both ask here (the plan printed a pool the launch then
+    refused)."""
+    context = min(model_limit, max_total_tokens - round_rows + 1)
+    if context < 2:
+        raise ConfigError(
+            f"the KV pool holds {max_total_tokens} tokens per rank, too few for one "
+            f"round of {round_rows} rows; raise --kv-cache-memory or --max-total-tokens")
+    return context
+
+
 def smallest_budget(cell: int, page_size: int, transient_bytes: int = 0) -> int:
     """One usable page plus the dummy page, for both pools, plus the step's transients."""
     return 2 * page_size * cell + transient_bytes

@@ -18,6 +18,7 @@ from dspark_launch.errors import ConfigError
 from dspark_launch.memory.budget import (
     GIB,
     MemoryPlan,
+    context_of_pool,
     measure_free_bytes,
     plan_memory,
     run_need_bytes,
@@ -48,25 +49,27 @@ def read_config(directory: str | Path, role: str) -> dict:
 
 
 def checkpoint_dirs(cfg) -> tuple[Path, Path | None]:
-    """--model/--draft, or the embedded tiny target + DSpark draft."""
+    """--model/--draft, or the embedded tiny target and the draft of the algorithm asked
+    (DSpark's by default), as a launch picks them (engine/build.py resolve_checkpoints:
+    --speculative-algorithm DFLASH was priced with the DSpark draft, and refused)."""
     if cfg.model is not None:
         return Path(cfg.model), (Path(cfg.draft) if cfg.draft else None)
-    target, draft = TINY / "target", TINY / "dspark"
+    algorithm = cfg.speculative_algorithm or "DSPARK"
+    target = TINY / "target"
+    draft = TINY / algorithm.lower() if algorithm in BLOCK_DRAFTERS else None
     if not (target / "config.json").is_file():
         raise ConfigError(
             f"no --model given and the embedded tiny model is missing ({target / 'config.json'})"
             f"; pass --model DIR"
         )
-    return target, (draft if (draft / "config.json").is_file() else None)
+    return target, (draft if draft is not None and (draft / "config.json").is_file() else None)
 
 
-def config_dtype(cfg_dtype: str, config: dict, role: str) -> torch.dtype:
-    if cfg_dtype != "auto":
-        return dtype_from_name(cfg_dtype)
-    name = config.get("torch_dtype") or config.get("dtype")
-    if name is None:
-        raise ConfigError(f"{role} config.json has no torch_dtype/dtype; pass --dtype")
-    return dtype_from_name(name)
+def model_dtype(run: str, parsed) -> torch.dtype:
+    """--dtype, else the checkpoint's as the launch reads it (ModelConfig / DraftConfig:
+    `dtype` before `torch_dtype`, float32 without either; the plan read them the other way
+    round and refused a config without one)."""
+    return parsed.dtype if run == "auto" else dtype_from_name(run)
 
 
 def _on_cuda(cfg) -> bool:
@@ -134,13 +137,13 @@ def read_models(cfg) -> Models:
                               f"is a {parsed.kind} checkpoint")
         if algorithm == parsed.kind:  # NONE / NGRAM build no draft, so price none
             validate_against_target(parsed, target)
-            draft, draft_dtype = parsed, config_dtype(dtype, raw_draft, "draft")
+            draft, draft_dtype = parsed, model_dtype(dtype, parsed)
             block = cfg.block_size or parsed.block_size
     if algorithm in BLOCK_DRAFTERS and draft is None:
         raise ConfigError(f"--speculative-algorithm {algorithm} needs --draft (a {algorithm} "
                           f"checkpoint directory)")
     return Models(target_dir, draft_dir if draft else None, target, draft,
-                  config_dtype(dtype, raw_target, "target"), draft_dtype,
+                  model_dtype(dtype, target), draft_dtype,
                   algorithm or "NONE", block)
 
 
@@ -201,6 +204,9 @@ def build_report(cfg) -> dict:
     ranks, shape, rule = per_rank_plans(cfg, m)
     budget = ranks[0].plan.budget_bytes
     agreed = min(r.plan.max_total_tokens for r in ranks)  # what the MIN all-reduce would give
+    max_drafts, block_rows = round_shape(m.algorithm, m.block_size)
+    context_of_pool(agreed, cfg.context_length or m.target.max_position_embeddings,
+                    max(1 + max_drafts, block_rows))
     return {
         "tp_size": cfg.tp_size,
         "attn_dp_size": cfg.attn_dp_size,

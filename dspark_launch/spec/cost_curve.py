@@ -17,6 +17,7 @@ the same inputs the curve is deterministic.
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -171,8 +172,10 @@ class CostCurve:
     def from_dict(cls, data: dict) -> CostCurve:
         if data.get("version") != CURVE_VERSION:
             raise ValueError(f"cost curve version {data.get('version')} != {CURVE_VERSION}")
-        return cls([int(n) for n in data["tokens"]], [float(s) for s in data["seconds"]],
-                   float(data.get("overhead_s", 0.0)))
+        seconds = [float(s) for s in data["seconds"]] + [float(data.get("overhead_s", 0.0))]
+        if not all(math.isfinite(s) and s >= 0 for s in seconds):  # NaN priced every step NaN
+            raise ValueError(f"cost curve seconds {seconds} are not all finite and >= 0")
+        return cls([int(n) for n in data["tokens"]], seconds[:-1], seconds[-1])
 
     @classmethod
     def flat(cls, points: Sequence[int] = (1,)) -> CostCurve:
@@ -231,8 +234,8 @@ def load_cached(key: str, directory: Path | None = None) -> CostCurve | None:
     data = disk_cache.read_json(directory or cache_dir(), key)
     try:
         return None if data is None else CostCurve.from_dict(data)
-    except (ValueError, KeyError, TypeError):
-        return None  # stale: profile again
+    except (ValueError, KeyError, TypeError, OverflowError):  # (int(1e400): a hand-edited file)
+        return None  # stale or damaged: profile again
 
 
 def store_cached(key: str, curve: CostCurve, machine: dict,

@@ -268,3 +268,32 @@ def test_readme_plan_examples_are_what_the_plan_prints(capsys) -> None:
             if line.strip().startswith("..."):
                 continue
             assert line in printed, (command, line)
+
+
+def test_plan_reads_checkpoints_and_refuses_as_the_launch_does(capsys, tmp_path) -> None:
+    """Three ways the plan and a launch disagreed: without --model, DFLASH was priced with
+    the embedded DSpark draft and refused; a config with both dtype keys was priced in
+    torch_dtype's (the launch reads dtype), one with neither was refused (the launch runs
+    it in float32); a pool too small for one round printed a plan the launch refuses."""
+    from dspark_launch.models.config import ModelConfig
+
+    cpu = ["--device", "cpu", "--kv-cache-memory", "64MiB"]
+    code, stdout, stderr = plan_in_process(capsys, *cpu, "--speculative-algorithm", "DFLASH",
+                                           "--json")
+    assert code == 0, stderr
+    assert json.loads(stdout)["draft"]["path"].endswith("assets/tiny/dflash")
+    raw = json.loads((TARGET / "config.json").read_text())
+    for keys, want in (({"dtype": "float32", "torch_dtype": "bfloat16"}, "float32"),
+                       ({}, "float32")):
+        model = tmp_path / f"t{len(keys)}"
+        model.mkdir()
+        cfg = {k: v for k, v in raw.items() if k not in ("dtype", "torch_dtype")}
+        (model / "config.json").write_text(json.dumps({**cfg, **keys}))
+        assert str(ModelConfig.from_pretrained(model).dtype) == f"torch.{want}"
+        code, stdout, stderr = plan_in_process(capsys, "--model", str(model), "--device",
+                                               "cuda", "--kv-cache-memory", "8GiB",
+                                               "--speculative-algorithm", "NONE", "--json")
+        assert code == 0, stderr
+        assert json.loads(stdout)["target"]["dtype"] == want
+    code, _, stderr = plan_in_process(capsys, *cpu, "--max-total-tokens", "8")
+    assert code == 2 and "too few for one round of 9 rows" in stderr

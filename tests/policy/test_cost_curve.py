@@ -210,3 +210,21 @@ def test_scalar_path_equals_the_array_path(n):
                                                   rel=1e-12, abs=1e-15)
     single = CostCurve([5], [2e-3])
     assert single.step_seconds(n) == float(single.step_seconds(np.array(n, dtype=float)))
+
+
+def test_a_damaged_cached_curve_is_measured_again(tmp_path):
+    """A token count of 1e400 (int() of JSON's infinity: an OverflowError, a traceback at
+    start-up) or a NaN time (every step priced NaN) in a hand-edited cache file: profiled
+    again instead."""
+    from dspark_launch.spec.cost_curve import CURVE_VERSION, CostCurve, store_cached
+
+    key = cache_key({"damaged": 1})
+    good = CostCurve([1, 2], [0.01, 0.02]).to_dict()
+    for damage in ({"tokens": [1, 1e400]}, {"seconds": [0.01, float("nan")]},
+                   {"overhead_s": float("inf")}):
+        store_cached(key, CostCurve([1, 2], [0.01, 0.02]), {}, tmp_path)
+        path = tmp_path / f"{key}.json"
+        raw = json.loads(path.read_text())
+        path.write_text(json.dumps({**raw, **damage}).replace("Infinity", "1e400"))
+        assert load_cached(key, tmp_path) is None, damage
+    assert good["version"] == CURVE_VERSION
