@@ -155,7 +155,7 @@ class LLM:
                 if set(p) not in ({"prompt"}, {"prompt_token_ids"}):
                     raise TypeError(f"prompt {i}: a dict prompt has one key, 'prompt' (text) "
                                     f"or 'prompt_token_ids' (token ids), got {sorted(p)}")
-                p = _listed(p.get("prompt", p.get("prompt_token_ids")))
+                p = p.get("prompt", p.get("prompt_token_ids"))
             p = _listed(p)
             if isinstance(p, str):
                 if self.tokenizer is None:

@@ -61,8 +61,8 @@ class IncrementalDetokenizer:
         return delta
 
     def finish(self) -> str:
-        """The held tail (e.g. an unfinished character at max_tokens), so that the emitted
-        text equals the full decode."""
+        """The held tail (e.g. an unfinished character at max_tokens): the emitted text then
+        equals the full decode, where that decode keeps what was released (above)."""
         full = self._decode(self.ids)
         # Released text is final: where the full decode rewrote it (byte fallback, above),
         # the unfinished tail is no character and stays out. Raising here lost the batch.

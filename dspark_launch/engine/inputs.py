@@ -60,15 +60,12 @@ LINE_KEYS = ("prompt", "input_ids", "id", "max_new_tokens", "max_tokens", *LINE_
 TEXT_ONLY = ("stop", "include_stop_str_in_output", "skip_special_tokens")
 
 
-def _field(row: dict, key: str, kind, default, where: str):
+def _int_field(row: dict, key: str, default: int, where: str) -> int:
+    """A line's integer field (the sampling fields are SamplingParams' to check)."""
     value = row.get(key, default)
-    if value is default:
-        return default
-    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+    if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{where}: {key}={value!r} must be an integer")
-    if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise ConfigError(f"{where}: {key}={value!r} must be a number")
-    return kind(value)
+    return value
 
 
 def _json_object(line: str) -> bool:
@@ -104,7 +101,7 @@ def build_specs(
         if "max_new_tokens" in row and "max_tokens" in row:
             raise ConfigError(f"{where}: give max_new_tokens or max_tokens, not both")
         name = "max_tokens" if "max_tokens" in row else "max_new_tokens"
-        mnt = _field(row, name, int, max_new_tokens, where)
+        mnt = _int_field(row, name, max_new_tokens, where)
         if mnt <= 0:
             raise ConfigError(f"{where}: {name}={mnt} must be >= 1")
         text = row.get("prompt")
