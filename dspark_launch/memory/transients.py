@@ -154,7 +154,7 @@ def price_step(s: StepShape) -> Transients:
     return Transients(
         verify_logits=s.logit_rows * greedy_row,
         sampler=s.logit_rows * (row - greedy_row) + workspace(s.logit_rows),
-        draft=q_rows * row + (workspace(q_rows) if q_rows else 0),
+        draft=q_rows * row + workspace(q_rows),
         draft_q=q_rows * v * FP32,
         features=s.forward_rows * s.captured_layers * d * it,
         attention=s.forward_rows * attn_width * it,
