@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,7 +19,8 @@ class ForwardMetadata:
     positions: torch.Tensor  # [T] int64 absolute positions of the new tokens (RoPE)
     q_indptr: torch.Tensor  # [B+1] int64
     kv_indptr: torch.Tensor  # [B+1] int64
-    kv_indices: torch.Tensor  # [sum kv_lens] int64 pool rows of positions 0..kv_len-1
+    # [sum kv_lens] int64 pool rows of positions 0..kv_len-1 (less any skipped: build_metadata)
+    kv_indices: torch.Tensor
     out_rows: torch.Tensor  # [T] int64 rows where the new tokens' K/V are stored
     mask_mode: str = "causal"  # "causal" | "none" | "custom"
     custom_mask: torch.Tensor | None = None  # [sum q_len*kv_len] bool, row-major per request
@@ -57,6 +59,25 @@ def upload(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tens
 def _indptr(lens: list[int], device: torch.device) -> torch.Tensor:
     # Prefix sums in Python: one small tensor instead of zeros + cumsum + copy.
     return upload([0, *itertools.accumulate(lens)], torch.int64, device)
+
+
+def _kept(kv_len: int, skipped: Sequence[tuple[int, int]]) -> np.ndarray:
+    """Positions 0..kv_len-1 less the ranges [a, b) of `skipped` (sorted, disjoint)."""
+    keep = np.ones(kv_len, dtype=bool)
+    for a, b in skipped:
+        keep[a:b] = False
+    return np.flatnonzero(keep)
+
+
+def _skip(kv_indices: torch.Tensor, kv_lens: list[int],
+          skipped: Sequence[Sequence[tuple[int, int]]]) -> tuple[torch.Tensor, list[int]]:
+    """kv_indices [sum kv_lens] and kv_lens without each request's skipped positions: one
+    gather of the entries kept (each request's own, offset by its start), paid only by the
+    draft blocks of requests with a gap."""
+    starts = itertools.accumulate(kv_lens, initial=0)
+    kept = [s + _kept(k, gaps) for s, k, gaps in zip(starts, kv_lens, skipped)]
+    index = upload(np.concatenate(kept), torch.int64, kv_indices.device)
+    return kv_indices[index], [len(k) for k in kept]
 
 
 def _host_rows(table: torch.Tensor, slots: list[int], prefix_lens: list[int],
@@ -104,8 +125,15 @@ def build_metadata(
     mask_mode: str = "causal",
     custom_masks: list[torch.Tensor] | None = None,  # per request [q_len, kv_len] bool
     device: torch.device | str | None = None,
+    skipped: Sequence[Sequence[tuple[int, int]]] | None = None,
 ) -> ForwardMetadata:
     """Build the CSR view of a batch from the request->token table.
+
+    `skipped` (mask_mode "none" only): per request, sorted disjoint position ranges [a, b)
+    below its prefix whose rows its queries do not see; kv_lens count the rest. A draft block
+    skips the positions whose context a dormant step never wrote (Request.draft_gaps): their
+    rows hold whatever a page's last owner left there. The queries keep their absolute
+    positions (RoPE), so the keys that remain are at their true distances.
 
     Works on an empty batch (idle DP rank): every tensor is empty and indptrs are [0].
     """
@@ -116,6 +144,13 @@ def build_metadata(
     kv_lens = [p + q for p, q in zip(prefix_lens, q_lens)]
     max_ctx = req_to_token.shape[1] if req_to_token.dim() == 2 else 0
     assert all(k <= max_ctx for k in kv_lens), "kv_len exceeds req_to_token width"
+    if skipped is not None and not any(skipped):
+        skipped = None
+    if skipped is not None:
+        assert mask_mode == "none" and len(skipped) == len(slots), (
+            "skipped positions need mask_mode 'none' and one list per request")
+        assert all(0 <= a < b <= p for gaps, p in zip(skipped, prefix_lens) for a, b in gaps), (
+            "a skipped range must lie within its request's prefix")
 
     if slots and req_to_token.device.type == "cpu":
         kv_indices, positions, out_rows = _host_rows(req_to_token, slots, prefix_lens, q_lens,
@@ -127,6 +162,8 @@ def build_metadata(
         kv_indices = torch.zeros(0, dtype=torch.int64)
         out_rows = torch.zeros(0, dtype=torch.int64)
         positions = torch.zeros(0, dtype=torch.int64)
+    if skipped is not None:
+        kv_indices, kv_lens = _skip(kv_indices, kv_lens, skipped)
 
     custom_mask = mask_indptr = None
     if mask_mode == "custom":

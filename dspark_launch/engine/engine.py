@@ -419,7 +419,7 @@ class Engine:
                 self.proposer.materialize(captured, meta.positions, meta.out_rows, defer)
         if self._dormant and self.proposer.capture_layer_ids:
             for req in plan.decode:  # its anchor's draft context is never written
-                req.draft_hole = req.kv_len if req.draft_hole is None else req.draft_hole
+                req.leave_out_context()
         firsts = [r.kv_len + n == r.fill_len and not r.output_ids for r, n in plan.prefill]
         layout = LogitRows.of(plan.prefill, firsts, plan.decode, widths)
         first, accept_len, committed = [], [], []

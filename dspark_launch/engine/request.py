@@ -71,9 +71,10 @@ class Request:
     status: Status = Status.WAITING
     slot: int | None = None  # request slot in the request->token table
     kv_len: int = 0  # positions whose target (and draft) K/V are in the pools
-    # The first position whose draft context a dormant step left out (None: none). The
-    # prefix cache takes only pages below it: a cached page holds both pools' K/V.
-    draft_hole: int | None = None
+    # Position ranges [a, b), sorted, whose draft context dormant steps left out (their rows
+    # in the draft pool hold whatever a page's last owner left): the draft block skips them,
+    # and the prefix cache takes only pages below the first (a cached page holds both pools').
+    draft_gaps: list[tuple[int, int]] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     reported: int = 0  # output_ids already returned by step()
     finish_reason: str | None = None
@@ -125,10 +126,18 @@ class Request:
         """The last committed token: generated, not yet in the KV cache."""
         return self.output_ids[-1]
 
+    def leave_out_context(self) -> None:
+        """A dormant step writes no draft context for this request's anchor (at kv_len)."""
+        at = self.kv_len
+        if self.draft_gaps and self.draft_gaps[-1][1] == at:
+            self.draft_gaps[-1] = (self.draft_gaps[-1][0], at + 1)
+        else:
+            self.draft_gaps.append((at, at + 1))
+
     @property
     def cacheable_ids(self) -> list[int]:
         """The ids at the positions whose K/V both pools hold: what the prefix cache may take."""
-        hole = self.kv_len if self.draft_hole is None else min(self.kv_len, self.draft_hole)
+        hole = min(self.kv_len, self.draft_gaps[0][0]) if self.draft_gaps else self.kv_len
         return self.all_ids[:hole]
 
     @property

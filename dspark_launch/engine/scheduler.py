@@ -176,7 +176,7 @@ class Scheduler:
         self.space.free_slot(req.slot)
         self.running.remove(req)
         # Recomputed from the cached prefix on: its prefill writes the draft context anew.
-        req.slot, req.status, req.kv_len, req.draft_hole = None, Status.WAITING, 0, None
+        req.slot, req.status, req.kv_len, req.draft_gaps = None, Status.WAITING, 0, []
         req.preemptions += 1
         self.waiting.appendleft(req)
 

@@ -12,7 +12,9 @@ before their rows change hands (KVSpace.before_release), or once DEFERRED_CONTEX
 gathered.
 When the policy keeps every request from drafting, this is what makes speculation cost nothing.
 The seconds those writes take are kept apart (flushed_s): the steps that let them wait are
-timed without them (engine.step), as a settled plain ladder would run them (dormant).
+timed without them (engine.step), as a settled plain ladder would run them (dormant). A
+dormant step writes none for its anchors: the block skips those positions (Request.draft_gaps),
+whose rows hold whatever a page's last owner left there.
 
 Drafts stay on the device. Every request drafts its full block (capped by its limit), so the
 verify width is known on the host before any draft exists. DSpark's confidence cut (threshold
@@ -72,7 +74,7 @@ class DFlashProposer(Proposer):
         device = self.target.device
         meta = build_metadata(self.space.req_to_token, [r.slot for r in reqs],
                               [r.kv_len for r in reqs], [b] * len(reqs), "none",
-                              device=device)
+                              device=device, skipped=[r.draft_gaps for r in reqs])
         ids = upload([[r.anchor] + [self.mask_id] * (b - 1) for r in reqs], torch.int64,
                      device).reshape(-1)
         h = self.draft.forward_block(self.target.embed(ids), meta, self.backend, self.pool)

@@ -43,9 +43,10 @@ any length (accepted drafts equal the target's argmax). A search that looked at 
 candidates and came back (a global argmax over all length vectors) would make {l_r >= j}
 depend on x_j, x_{j+1}, ... — the paper's Appendix A counterexample — hence the early stop.
 
-Dormancy (VerifyPolicy.dormant) leaves some committed rows out of the draft's context: it
-changes the drafts' distribution q, never which drafts are verified nor how, and speculative
-sampling is exact for any q (greedy, for any drafts).
+Dormancy (VerifyPolicy.dormant) leaves some committed rows out of the draft's context (the
+draft block skips them: Request.draft_gaps): it changes the drafts' distribution q, never which
+drafts are verified nor how, and speculative sampling is exact for any q (greedy, for any
+drafts).
 
 The same argument covers any length computed from past rounds only (the "fixed" policy, the
 ladder's cap and mode, a probe, a plain step kept to time plain decoding, or the DFlash/NGRAM

@@ -89,9 +89,13 @@ def ref_sample_greedy(sd: Tensors, raw: Mapping[str, Any], base_logits: torch.Te
 
 
 def run_draft(draft, features: Sequence[torch.Tensor], blocks: Sequence[torch.Tensor],
-              *, page_size: int = 4, split: int = 2) -> torch.Tensor:
+              *, page_size: int = 4, split: int = 2,
+              gaps: Sequence[Sequence[tuple[int, int]]] | None = None, noise_seed: int = 0,
+              skip: bool = True) -> torch.Tensor:
     """Our path: materialize each request's context (in `split` chunks, mixed across requests
     as the engine commits them) into a real paged pool, then one batched forward_block.
+    `gaps`: per request, position ranges whose rows are then overwritten with noise (as a
+    dormant step leaves them: a page's last owner's K/V), and skipped by the block if `skip`.
 
     features[i] [N_i, m*d], blocks[i] [B, d] -> concatenated hidden [sum B, d].
     """
@@ -113,8 +117,15 @@ def run_draft(draft, features: Sequence[torch.Tensor], blocks: Sequence[torch.Te
             pos.append(torch.arange(lo, hi))
             rows.append(space.req_to_token[slot, lo:hi])
         draft.materialize(torch.cat(feats), torch.cat(pos), torch.cat(rows), pool)
+    gen = torch.Generator().manual_seed(noise_seed)
+    for slot, ranges in zip(slots, gaps or [[] for _ in features]):
+        for a, b in ranges:
+            rows = space.req_to_token[slot, a:b]
+            for cache in (*pool.k, *pool.v):
+                cache[rows] = 3 * torch.randn(cache[rows].shape, generator=gen)
     meta = build_metadata(space.req_to_token, slots, [f.shape[0] for f in features],
-                          [block] * len(features), mask_mode="none")
+                          [block] * len(features), mask_mode="none",
+                          skipped=gaps if skip else None)
     return draft.forward_block(torch.cat(list(blocks)), meta, make_backend("torch", "cpu"),
                                pool)
 

@@ -58,6 +58,27 @@ def test_forward_block_matches_reference(tmp_path, kind, options):
     torch.testing.assert_close(got, _reference(raw, sd, features, blocks), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["DFLASH", "DSPARK"])
+def test_a_draft_block_skips_its_context_gaps(tmp_path, kind):
+    """Positions whose draft context a dormant step never wrote (Request.draft_gaps) hold a
+    page's last owner's K/V. The block skips them: it equals the reference over the context
+    without those positions (each kept one at its own position), whatever those rows hold.
+    Read, they moved the block's output."""
+    draft, raw, sd, features, blocks = _case(tmp_path, kind, block_size=4, num_layers=2)
+    gaps = [[(1, 2)], [(0, 3), (5, 8)], [], [(4, 13)]]  # CTX_LENS = (3, 9, 1, 14)
+    expected = []
+    for f, x, ranges in zip(features, blocks, gaps):
+        n, b = f.shape[0], x.shape[0]
+        kept = torch.tensor([p for p in range(n) if not any(a <= p < e for a, e in ranges)])
+        expected.append(ref_block(sd, raw, f[kept], kept, x, torch.arange(n, n + b)))
+    got = [run_draft(draft, features, blocks, gaps=gaps, noise_seed=seed) for seed in (0, 1)]
+    assert torch.equal(got[0], got[1])
+    torch.testing.assert_close(got[0], torch.cat(expected), atol=1e-5, rtol=1e-5)
+    read = run_draft(draft, features, blocks, gaps=gaps, skip=False)
+    assert not torch.allclose(read, got[0], atol=1e-3)
+    torch.testing.assert_close(read[8:12], got[0][8:12])  # request 2 has no gap
+
+
 def test_dspark_greedy_block_matches_reference(tmp_path):
     draft, raw, sd, features, blocks = _case(tmp_path, "DSPARK", block_size=7, markov_rank=8)
     hidden = run_draft(draft, features, blocks).view(len(CTX_LENS), 7, -1)  # [R, B, d]
