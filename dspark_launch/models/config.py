@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from dspark_launch.errors import ConfigError
+from dspark_launch.memory.geometry import dtype_from_name
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
 # What transformers puts where config.json leaves a field out (Qwen3Config, LlamaConfig): the
@@ -28,11 +29,6 @@ _MISSING = {
                          "max_position_embeddings": 2048},
 }
 DEFAULT_ROPE_THETA = 10000.0  # transformers' default_theta where no config sets one
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}
 
 
 def run_dtype(dtype: str, on_cpu: bool) -> str:
@@ -47,13 +43,7 @@ def parse_dtype(value: str | torch.dtype | None, default: torch.dtype = torch.fl
     """'bfloat16' / 'torch.float16' / torch.dtype / None ('auto') -> torch.dtype."""
     if value is None or value == "auto":
         return default
-    if isinstance(value, torch.dtype):
-        return value
-    key = str(value).removeprefix("torch.")
-    if key not in _DTYPES:
-        raise ConfigError(f"unsupported dtype {value!r}; expected one of float32, bfloat16, "
-                          f"float16")
-    return _DTYPES[key]
+    return dtype_from_name(value)
 
 
 @dataclass(frozen=True)
