@@ -61,34 +61,37 @@ def _indptr(lens: list[int], device: torch.device) -> torch.Tensor:
     return upload([0, *itertools.accumulate(lens)], torch.int64, device)
 
 
-def _kept(kv_len: int, skipped: Sequence[tuple[int, int]]) -> np.ndarray:
-    """Positions 0..kv_len-1 less the ranges [a, b) of `skipped` (sorted, disjoint)."""
-    keep = np.ones(kv_len, dtype=bool)
-    for a, b in skipped:
-        keep[a:b] = False
-    return np.flatnonzero(keep)
+Gaps = Sequence[tuple[int, int]]  # one request's skipped positions: sorted disjoint [a, b)
 
 
-def _skip(kv_indices: torch.Tensor, kv_lens: list[int],
-          skipped: Sequence[Sequence[tuple[int, int]]]) -> tuple[torch.Tensor, list[int]]:
-    """kv_indices [sum kv_lens] and kv_lens without each request's skipped positions: one
-    gather of the entries kept (each request's own, offset by its start), paid only by the
-    draft blocks of requests with a gap."""
-    starts = itertools.accumulate(kv_lens, initial=0)
-    kept = [s + _kept(k, gaps) for s, k, gaps in zip(starts, kv_lens, skipped)]
-    index = upload(np.concatenate(kept), torch.int64, kv_indices.device)
-    return kv_indices[index], [len(k) for k in kept]
+def _runs(kv_len: int, gaps: Gaps) -> list[tuple[int, int]]:
+    """The runs [lo, hi) of positions 0..kv_len-1 outside `gaps`."""
+    runs, lo = [], 0
+    for a, b in gaps:
+        if a > lo:
+            runs.append((lo, a))
+        lo = b
+    if kv_len > lo:
+        runs.append((lo, kv_len))
+    return runs
+
+
+def _kept_lens(kv_lens: list[int], skipped: Sequence[Gaps]) -> list[int]:
+    return [k - sum(b - a for a, b in gaps) for k, gaps in zip(kv_lens, skipped)]
 
 
 def _host_rows(table: torch.Tensor, slots: list[int], prefix_lens: list[int],
-               q_lens: list[int], kv_lens: list[int]
+               q_lens: list[int], kv_lens: list[int], skipped: Sequence[Gaps] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A host table's gathers (kv_indices, positions, out_rows) as numpy slices, one per
-    request: every row a request reads or writes is a contiguous run of its table row. The
-    device path's ~15 tensor operations took 90-120 us at batch 1 and 300 us at batch 64 on
-    one Xeon thread; these take 25-30 and 130 (a greedy DSpark round builds two)."""
+    request (and per run between its skipped ranges): every row a request reads or writes is
+    a contiguous run of its table row. The device path's ~15 tensor operations took 90-120
+    us at batch 1 and 300 us at batch 64 on one Xeon thread; these take 25-30 and 130 (a
+    greedy DSpark round builds two)."""
     t = table.numpy()
-    kv = np.concatenate([t[s, :k] for s, k in zip(slots, kv_lens)])
+    skipped = skipped or [()] * len(slots)
+    kv = np.concatenate([t[s, lo:hi] for s, k, gaps in zip(slots, kv_lens, skipped)
+                         for lo, hi in (_runs(k, gaps) if gaps else ((0, k),))])
     out = np.concatenate([t[s, p:p + q] for s, p, q in zip(slots, prefix_lens, q_lens)])
     pos = np.concatenate([np.arange(p, p + q, dtype=np.int64)
                           for p, q in zip(prefix_lens, q_lens)])
@@ -96,11 +99,35 @@ def _host_rows(table: torch.Tensor, slots: list[int], prefix_lens: list[int],
             torch.from_numpy(out).to(torch.int64))
 
 
+def _skipped_before(kept_lens: list[int], skipped: Sequence[Gaps], device: torch.device
+                    ) -> torch.Tensor:
+    """[sum kept_lens] int64: per kept kv entry, how many positions its request skipped
+    before it (kept entry j of a request is position j + this). A cumulative sum of a few
+    host-known steps: + a gap's length at the entry after it, and - all its request's gaps
+    where the next request starts (one small upload, however long the contexts)."""
+    at, by, start = [], [], 0
+    for n, gaps in zip(kept_lens, skipped):
+        gone = 0
+        for a, b in gaps:
+            at.append(start + a - gone)
+            by.append(b - a)
+            gone += b - a
+        if gone:
+            at.append(start + n)
+            by.append(-gone)
+        start += n
+    steps = upload([at, by], torch.int64, device)
+    return torch.zeros(start + 1, dtype=torch.int64, device=device).index_add_(
+        0, steps[0], steps[1]).cumsum(0)[:start]
+
+
 def _device_rows(table: torch.Tensor, slots: list[int], prefix_lens: list[int],
-                 q_lens: list[int], kv_lens: list[int]
+                 q_lens: list[int], kv_lens: list[int], skipped: Sequence[Gaps] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """_host_rows on the table's device: one host->device copy of the lengths, then gathers
     sized by host-known totals (no boolean masks, no device reads)."""
+    gone = skipped is not None and any(skipped)
+    kv_lens = _kept_lens(kv_lens, skipped) if gone else kv_lens
     b, total_q, total_kv = len(slots), sum(q_lens), sum(kv_lens)
     lens = upload([slots, prefix_lens, q_lens, kv_lens], torch.int64, table.device)
     slot_t, pre_t, q_t, kv_t = lens.unbind(0)  # [B] each
@@ -109,6 +136,8 @@ def _device_rows(table: torch.Tensor, slots: list[int], prefix_lens: list[int],
     kv_req = torch.repeat_interleave(req, kv_t, output_size=total_kv)  # [sum kv]
     kv_start = torch.cumsum(kv_t, 0) - kv_t  # [B]
     kv_pos = torch.arange(total_kv, device=slot_t.device) - kv_start[kv_req]
+    if gone:
+        kv_pos += _skipped_before(kv_lens, skipped, slot_t.device)
     kv_indices = table[slot_t[kv_req], kv_pos].to(torch.int64)
     # new token -> (its request, its absolute position prefix_len + i).
     q_req = torch.repeat_interleave(req, q_t, output_size=total_q)  # [T]
@@ -125,7 +154,7 @@ def build_metadata(
     mask_mode: str = "causal",
     custom_masks: list[torch.Tensor] | None = None,  # per request [q_len, kv_len] bool
     device: torch.device | str | None = None,
-    skipped: Sequence[Sequence[tuple[int, int]]] | None = None,
+    skipped: Sequence[Gaps] | None = None,
 ) -> ForwardMetadata:
     """Build the CSR view of a batch from the request->token table.
 
@@ -151,19 +180,21 @@ def build_metadata(
             "skipped positions need mask_mode 'none' and one list per request")
         assert all(0 <= a < b <= p for gaps, p in zip(skipped, prefix_lens) for a, b in gaps), (
             "a skipped range must lie within its request's prefix")
+        assert all(x[1] <= y[0] for gaps in skipped for x, y in zip(gaps, gaps[1:])), (
+            "a request's skipped ranges must be sorted and disjoint")
 
     if slots and req_to_token.device.type == "cpu":
         kv_indices, positions, out_rows = _host_rows(req_to_token, slots, prefix_lens, q_lens,
-                                                     kv_lens)
+                                                     kv_lens, skipped)
     elif slots:
         kv_indices, positions, out_rows = _device_rows(req_to_token, slots, prefix_lens, q_lens,
-                                                       kv_lens)
+                                                       kv_lens, skipped)
     else:
         kv_indices = torch.zeros(0, dtype=torch.int64)
         out_rows = torch.zeros(0, dtype=torch.int64)
         positions = torch.zeros(0, dtype=torch.int64)
     if skipped is not None:
-        kv_indices, kv_lens = _skip(kv_indices, kv_lens, skipped)
+        kv_lens = _kept_lens(kv_lens, skipped)
 
     custom_mask = mask_indptr = None
     if mask_mode == "custom":

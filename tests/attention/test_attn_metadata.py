@@ -55,3 +55,26 @@ def test_host_and_device_rows_match_a_loop(seed, dtype):
         got = rows(table, slots, prefix_lens, q_lens, kv_lens)
         assert [t.tolist() for t in got] == [kv, pos, out], rows.__name__
         assert all(t.dtype == torch.int64 for t in got), rows.__name__
+    # Skipped positions (a draft block's gaps): random sorted disjoint ranges in each prefix,
+    # some touching, some at position 0, some requests without any.
+    skipped = []
+    for p in prefix_lens:
+        cuts = sorted(torch.randperm(p + 1, generator=gen)[:int(torch.randint(0, 5, (),
+                                                                                generator=gen))]
+                      .tolist())
+        skipped.append([(a, b) for a, b in zip(cuts[0::2], cuts[1::2]) if a < b])
+    kept = [int(table[s, i]) for s, k, gaps in zip(slots, kv_lens, skipped) for i in range(k)
+            if not any(a <= i < b for a, b in gaps)]
+    for rows in (_host_rows, _device_rows):
+        got = rows(table, slots, prefix_lens, q_lens, kv_lens, skipped)
+        assert [t.tolist() for t in got] == [kept, pos, out], rows.__name__
+
+
+def test_build_metadata_skips_positions():
+    table = torch.arange(40).view(4, 10) + 100
+    meta = build_metadata(table, [2, 0, 1], [6, 3, 2], [2, 1, 1], "none",
+                          skipped=[[(0, 2), (3, 5)], [(1, 3)], []])
+    assert meta.kv_lens == [4, 2, 3] and meta.kv_indptr.tolist() == [0, 4, 6, 9]
+    assert meta.kv_indices.tolist() == [122, 125, 126, 127, 100, 103, 110, 111, 112]
+    assert meta.positions.tolist() == [6, 7, 3, 2]
+    assert meta.out_rows.tolist() == [126, 127, 103, 112]
