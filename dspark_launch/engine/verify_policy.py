@@ -48,9 +48,10 @@ def build_verify_policy(engine, mode: str, profile: str, draft_dir: str | None,
     room = block * min(engine.limits.max_running, blocks)
     points = profile_points(max(1, room), PROFILE_POINTS)
     c = engine.target.config
-    # The profiled forwards capture the draft's layers, as the step's do.
+    # The profiled forwards walk pages and capture the draft's layers, as the step's do.
     machine = {**conditions(engine), "gemm_kernel": engine.gemm_kernel,
                "gemm_from_rows": engine.gemm_from_rows, "block": block,
+               "page_size": engine.space.page_size,
                "captured": list(proposer.capture_layer_ids)}
     curve, source = profiled_curve(profile, machine, lambda n: profile_forward(engine, n),
                                    points, agree=broadcast_object, writer=state.rank == 0)

@@ -95,15 +95,16 @@ def profile_forward(engine, n: int, block: int | None = None) -> torch.Tensor:
 
 def conditions(engine) -> dict:
     """What a start-up timing of the target forward depends on: the processor, torch and its
-    threads, the topology, the dtype, the attention backend, the page size (the kernels walk
-    pages), the target's architecture (Qwen3's q/k norms) and shape, and the autograd mode the
-    step runs in (timings cached before the step ran in inference mode were up to 12% slower
-    than its forwards now are). No drafter: engine/gemm_choice.py."""
+    threads, the topology, the dtype, the attention backend, the target's architecture
+    (Qwen3's q/k norms) and shape, and the autograd mode the step runs in (timings cached
+    before the step ran in inference mode were up to 12% slower than its forwards now are).
+    Nothing a benchmark varies between the engines it compares (drafter, page size): they
+    share one GEMM choice (engine/gemm_choice.py)."""
     state, c = get_parallel(), engine.target.config
     return {"device": device_name(engine.device), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "world": state.world_size, "tp": state.tp_size,
             "attn_dp": state.attn_dp_size, "dtype": str(engine.target.dtype),
             "backend": engine.backend.name, "grad_mode": "inference",
-            "page_size": engine.space.page_size, "architecture": c.architecture,
+            "architecture": c.architecture,
             "model": [c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size,
                       c.num_attention_heads, c.num_key_value_heads, c.head_dim]}

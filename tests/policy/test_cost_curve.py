@@ -230,9 +230,9 @@ def test_a_damaged_cached_curve_is_measured_again(tmp_path):
     assert good["version"] == CURVE_VERSION
 
 
-def _curve_files(rank: int, tiny_args: list, cache: str) -> list[int]:
-    """Engines built one after another over one cache directory: the cost-curve files there
-    after each."""
+def _curve_files(rank: int, tiny_args: list, cache: str) -> list[tuple[int, int]]:
+    """Engines built one after another over one cache directory: the cost-curve and GEMM
+    choice files there after each."""
     import os
     from pathlib import Path
 
@@ -245,20 +245,22 @@ def _curve_files(rank: int, tiny_args: list, cache: str) -> list[int]:
     files = []
     for args in tiny_args:
         build_engine(args).shutdown()
-        files.append(len(list((Path(cache) / "cost_curves").glob("*.json"))))
+        files.append(tuple(len(list((Path(cache) / kind).glob("*.json")))
+                           for kind in ("cost_curves", "gemm")))
     return files
 
 
 def test_the_cost_curve_is_cached_per_page_size(tiny, tmp_path):
     """The kernels walk pages, so a curve profiled at one page size is not another's: each
     page size profiles its own, and the same conditions read it back. (Before, the key left
-    the page size out and page size 4 read page size 1's curve.)"""
+    the page size out and page size 4 read page size 1's curve.) The GEMM choice stays one
+    for both: engines a benchmark compares at two page sizes run the same kernel."""
     from jobs import engine_args
     from multirank import run_world
 
     def args(page_size: int):
         return engine_args(tiny, "DFLASH", tiny.dflash(4), speculative_policy="adaptive",
-                           page_size=page_size)
+                           page_size=page_size, cpu_gemm="auto")
 
     (files,) = run_world(1, _curve_files, [args(1), args(4), args(1)], str(tmp_path / "c"))
-    assert files == [1, 2, 2]
+    assert files == [(1, 1), (2, 1), (2, 1)]
