@@ -230,6 +230,8 @@ def _dormant_first_turns(rank: int, args, firsts: list[list[int]], extra: list[i
     answers = [list(o.output_ids) for o in run(firsts, 0)]
     dormant_steps = len(slept)
     policy.plan, policy.pick = every_draft, (lambda classes: cap)
+    # Every draft verified: lengths the cost model cut (DSpark's choose()) follow step times.
+    policy.choose = lambda keys, classes, limits, *rest: list(limits)
     seconds = [f + a + extra for f, a in zip(firsts, answers)]
     hit = run(seconds, 100)
     engine.flush_prefix_cache()
