@@ -14,8 +14,11 @@ An already initialised default process group is joined as it is and left alone a
 from __future__ import annotations
 
 import contextlib
+import gc
+import hashlib
 import itertools
 import json
+import math
 import numbers
 import weakref
 from collections.abc import Mapping, Sequence
@@ -28,6 +31,8 @@ from dspark_launch.engine.params import SamplingParams
 from dspark_launch.engine.request import RequestSpec
 from dspark_launch.outputs import CompletionOutput, OutputProcessor
 from dspark_launch.parallel import (
+    NotJoined,
+    check_in,
     destroy_parallel_runtime,
     init_parallel_runtime,
     is_initialized,
@@ -58,8 +63,16 @@ def default_sampling(engine) -> dict:
     return defaults
 
 
+class NotSPMD(RuntimeError):
+    """The ranks were asked different things (LLM() or generate() is SPMD: every rank calls
+    it with the same arguments and gets the same result)."""
+
+
 class LLM:
     live: weakref.ref | None = None  # the LLM of this process that holds the engine
+    # The parallel runtime was made by an LLM (not the user's program) and not destroyed yet:
+    # where that LLM was dropped without shutdown(), the next one makes a fresh runtime.
+    _made_runtime = False
 
     def __init__(self, model: str | None = None, draft: str | None = None, *,
                  tp_size: int | None = None, attn_dp_size: int = 1,
@@ -73,20 +86,34 @@ class LLM:
         if isinstance(engine_args.get("kv_cache_memory"), str):
             engine_args["kv_cache_memory"] = parse_bytes(engine_args["kv_cache_memory"],
                                                          "kv_cache_memory")
+        _check_topology(tp_size, attn_dp_size, dist_timeout)
         self._owns_runtime = False
+        self._dist_timeout = float(dist_timeout)
+        if LLM.live is not None and LLM.live() is not None:
+            gc.collect()  # an LLM dropped in a reference cycle is not running
         if (other := LLM.live and LLM.live()) is not None and other.engine is not None:
             # It would join the first's parallel state (its tp_size, attn_dp_size and device
             # whatever these say) and break when the first shuts down.
             raise RuntimeError("an LLM is already running in this process; shutdown() it "
                                "first (one engine per process)")
+        if LLM._made_runtime and is_initialized():
+            # Left by an LLM dropped without shutdown(): joined, its topology would stand
+            # whatever this one asks, and nobody would ever destroy its groups.
+            LLM._made_runtime = False
+            destroy_parallel_runtime()
         try:
             if not is_initialized():
                 world = tp_size or _world_size()
                 init_parallel_runtime(_Topology(world, attn_dp_size,
                                                 engine_args.get("device", "auto"),
                                                 dist_timeout))
-                self._owns_runtime = True
+                self._owns_runtime = LLM._made_runtime = True
             self.args = EngineArgs(model=model, draft=draft, **engine_args)
+            # Before the build's collectives: ranks built with other arguments would wait in
+            # mismatched collectives (a hang, or gloo's abort) instead of being named.
+            self._agree("LLM()", {"model": model, "draft": draft, "tp_size": tp_size,
+                                  "attn_dp_size": attn_dp_size, "dist_timeout": dist_timeout,
+                                  **{k: repr(v) for k, v in sorted(engine_args.items())}})
             self.engine = build_engine(self.args)
         except BaseException:
             self.shutdown()
@@ -94,6 +121,7 @@ class LLM:
         LLM.live = weakref.ref(self)
         self.tokenizer = self.engine.tokenizer
         self._indices = itertools.count()  # the same on every rank: generate is SPMD
+        self._calls = 0  # generate() calls, for the messages of _agree
 
     # ------------------------------------------------------------------ generate
 
@@ -107,14 +135,26 @@ class LLM:
         """Run every prompt to the end; outputs in input order, the same on every rank."""
         if self.engine is None:
             raise RuntimeError("generate() after shutdown(): build a new LLM")
-        token_lists, texts = self._prompts(prompts)
-        params = self._params(sampling_params, len(token_lists))
-        for i, (ids, p) in enumerate(zip(token_lists, params)):
-            if (why := self.engine.refusal(ids, p)) is not None:
-                raise ValueError(f"prompt {i}: {why}")
-            if p.stop and self.tokenizer is None:
-                raise ValueError(f"prompt {i}: stop={list(p.stop)} needs the checkpoint's "
-                                 f"tokenizer.json (give stop_token_ids)")
+        self._calls += 1
+        error = None
+        try:
+            token_lists, texts = self._prompts(prompts)
+            params = self._params(sampling_params, len(token_lists))
+            for i, (ids, p) in enumerate(zip(token_lists, params)):
+                if (why := self.engine.refusal(ids, p)) is not None:
+                    raise ValueError(f"prompt {i}: {why}")
+                if p.stop and self.tokenizer is None:
+                    raise ValueError(f"prompt {i}: stop={list(p.stop)} needs the "
+                                     f"checkpoint's tokenizer.json (give stop_token_ids)")
+            asked = {"prompts": len(token_lists), "prompt ids": _digest(token_lists),
+                     "sampling_params": _digest(params)}
+        except (TypeError, ValueError) as err:
+            error, asked = err, {"error": f"{type(err).__name__}: {err}"}
+        # Every rank runs rank 0's requests: a rank asked for others would return rank 0's
+        # outputs as its own, and lose step with the others after a different count.
+        self._agree(f"generate() call {self._calls}", asked)
+        if error is not None:
+            raise error
         processor = OutputProcessor(self.tokenizer, self.engine.abort)
         order: dict[str, int] = {}
         results: list[CompletionOutput | None] = [None] * len(token_lists)
@@ -141,6 +181,33 @@ class LLM:
                     self.engine.abort(rid)
             raise
         return results  # type: ignore[return-value]
+
+    def _agree(self, call: str, asked: dict) -> None:
+        """Check in with every rank (parallel.check_in) and raise NotSPMD on every rank, naming
+        what differs and on which ranks, where they were not asked the same."""
+        try:
+            values = check_in(json.dumps(asked, sort_keys=True, default=repr),
+                              f"reach {call}", self._dist_timeout)
+        except NotJoined as err:
+            raise NotSPMD(f"{err}: LLM() and generate() are SPMD, every rank calls them with "
+                          f"the same arguments") from None
+        if values is None or len(set(values)) == 1:
+            return
+        seen = [json.loads(v) for v in values]
+        differ = []
+        # A rank whose arguments were refused: its error is what differs.
+        keys = ["error"] if any("error" in s for s in seen) else sorted({k for s in seen
+                                                                          for k in s})
+        for key in keys:
+            by_value: dict[str, list[int]] = {}
+            for rank, s in enumerate(seen):
+                by_value.setdefault(json.dumps(s[key]) if key in s else "none",
+                                    []).append(rank)
+            if len(by_value) > 1:
+                differ.append(f"{key}: " + ", ".join(f"rank(s) {ranks} {v}"
+                                                     for v, ranks in by_value.items()))
+        raise NotSPMD(f"{call} differs across ranks ({'; '.join(differ)}): every rank must "
+                      f"call it with the same arguments, and every rank gets the same result")
 
     def _prompts(self, prompts) -> tuple[list[list[int]], list[str | None]]:
         """A prompt is text, token ids (a list, or a 1-D numpy array or tensor), or vLLM's
@@ -197,7 +264,7 @@ class LLM:
             engine.shutdown()
             self.engine = None
         if self._owns_runtime:
-            self._owns_runtime = False
+            self._owns_runtime = LLM._made_runtime = False
             destroy_parallel_runtime()
 
     def __enter__(self) -> LLM:
@@ -205,6 +272,23 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _check_topology(tp_size, attn_dp_size, dist_timeout) -> None:
+    """The arguments init_parallel_runtime reads, checked as the CLI checks its flags."""
+    if tp_size is not None and (not _is_id(tp_size) or tp_size < 1):
+        raise ValueError(f"tp_size={tp_size!r}: expected a whole number >= 1, or None (every "
+                         f"rank of the world)")
+    if not _is_id(attn_dp_size) or attn_dp_size < 1:
+        raise ValueError(f"attn_dp_size={attn_dp_size!r}: expected a whole number >= 1")
+    if not isinstance(dist_timeout, numbers.Real) or isinstance(dist_timeout, bool) \
+            or not math.isfinite(dist_timeout) or dist_timeout <= 0:
+        raise ValueError(f"dist_timeout={dist_timeout!r}: expected a number of seconds > 0")
+
+
+def _digest(value) -> str:
+    """A short stable name of a value's repr (prompt ids, SamplingParams dataclasses)."""
+    return hashlib.sha256(repr(value).encode()).hexdigest()[:16]
 
 
 def _world_size() -> int:

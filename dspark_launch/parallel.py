@@ -105,6 +105,15 @@ def validate_layout(
 _stamped: ParallelState | None = None
 _overrides: list[ParallelState] = []
 _adopted = False  # the default group was the caller's (LLM in a user's program): keep it
+# The store the ranks met through, under a prefix of this runtime's own (None: a world of
+# one, or a user's world whose store torch does not expose): check_in() meets there.
+_store: dist.Store | None = None
+# Runtimes this process initialised (the same count on every rank: each rank builds and shuts
+# down its engines in the same order). Each runtime's keys go under a prefix of their own: a
+# second LLM after the first's shutdown read the first's gloo addresses and arrivals, and
+# connected to a rank's dead listener.
+_runtimes = 0
+_check_ins = 0  # check_in() calls of this runtime
 
 
 def get_parallel() -> ParallelState:
@@ -189,17 +198,19 @@ def init_distributed_environment(
         device = torch.device("cpu")
         backend = "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
-    global _adopted
+    global _adopted, _store, _runtimes, _check_ins
+    _runtimes, _check_ins = _runtimes + 1, 0
     _adopted = dist.is_initialized()
     if _adopted:  # a user's program initialised the world: join it as it is
         rank, world_size = dist.get_rank(), dist.get_world_size()
         backend = dist.get_backend()
         if backend != "nccl":
             device = torch.device("cpu")
+        _store = _default_store()
     elif "MASTER_ADDR" in os.environ:
-        store = _launch_store(rank, world_size, timeout)
-        await_peers(store, rank, world_size, timeout_s)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+        _store = _launch_store(rank, world_size, timeout)
+        await_peers(_store, rank, world_size, timeout_s)
+        dist.init_process_group(backend, store=_store, rank=rank, world_size=world_size,
                                 timeout=timeout)
     else:  # outside torchrun: a world of one, so every collective is the same code path
         if world_size != 1:
@@ -239,7 +250,17 @@ def _launch_store(rank: int, world_size: int, timeout: datetime.timedelta) -> di
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
         is_master=rank == 0 and not agent_store, timeout=timeout, wait_for_workers=False)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"dspark/attempt_{attempt}", store)
+    return dist.PrefixStore(f"dspark/attempt_{attempt}/runtime_{_runtimes}", store)
+
+
+def _default_store() -> dist.Store | None:
+    """A user's default group's store, under this runtime's prefix (torch keeps it private:
+    None where this torch does not have it)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - any torch without it: no check-ins
+        return None
+    return dist.PrefixStore(f"dspark/runtime_{_runtimes}", store)
 
 
 class NotJoined(RuntimeFailure):
@@ -250,20 +271,24 @@ class NotJoined(RuntimeFailure):
         self.speaker = speaker
 
 
-ARRIVAL_POLL_S = 0.05
+ARRIVAL_POLL_S = 0.05  # the longest pause between two looks at the store ...
+FIRST_POLL_S = 0.001  # ... the first, doubling: ranks a few ms apart meet in a few ms
 
 
-def await_peers(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
-    """Wait until every rank of the world has reached the store, polling from Python: a
-    signal stops a rank waiting here at once (torchrun's SIGTERM after a peer died before
-    joining), and a peer that never comes is named after --dist-timeout. Inside
+def await_peers(store: dist.Store, rank: int, world_size: int, timeout_s: float,
+                key: str = "arrived", value: str = "1", doing: str = "join",
+                timeout_name: str = "--dist-timeout") -> list[str]:
+    """Wait until every rank of the world has set `key/<rank>` in the store, polling from
+    Python: a signal stops a rank waiting here at once (torchrun's SIGTERM after a peer died
+    before joining), and a peer that never comes is named after the timeout. Inside
     init_process_group the wait is C++'s, where neither happened: torchrun's SIGKILL came
-    30 s later, and a timeout was a store traceback."""
+    30 s later, and a timeout was a store traceback. -> every rank's value, in rank order."""
     from dspark_launch.failure import Interrupted, progress
 
-    store.set(f"arrived/{rank}", "1")
-    keys = [f"arrived/{r}" for r in range(world_size)]
+    store.set(f"{key}/{rank}", value)
+    keys = [f"{key}/{r}" for r in range(world_size)]
     deadline = time.monotonic() + timeout_s
+    pause = FIRST_POLL_S
 
     def missing() -> list[int]:
         return [r for r, k in enumerate(keys) if not store.check([k])]
@@ -272,14 +297,36 @@ def await_peers(store: dist.Store, rank: int, world_size: int, timeout_s: float)
         while not store.check(keys):
             if time.monotonic() >= deadline:
                 absent = missing()
-                raise NotJoined(f"rank(s) {absent} of {world_size} did not join within "
-                                f"--dist-timeout={timeout_s:g} s",
+                raise NotJoined(f"rank(s) {absent} of {world_size} did not {doing} within "
+                                f"{timeout_name}={timeout_s:g} s",
                                 speaker=min(r for r in range(world_size) if r not in absent))
-            time.sleep(ARRIVAL_POLL_S)
+            time.sleep(pause)
+            pause = min(2 * pause, ARRIVAL_POLL_S)
     except Interrupted as err:  # say whom it was waiting for (maybe a peer that died)
         if absent := missing():
             progress.phase = f"the rendezvous, rank(s) {absent} of {world_size} not there yet"
         raise Interrupted(err.signum) from None
+    return [store.get(k).decode() for k in keys]
+
+
+def check_in(value: str, doing: str, timeout_s: float) -> list[str] | None:
+    """Every rank's `value` for this SPMD call (every rank calls check_in in the same order:
+    LLM() and each generate()), met through the runtime's store, so a rank that never comes
+    is named after `timeout_s` (a collective would wait in C++, deaf to Ctrl-C) and a caller
+    can compare what each rank was asked. None where there is no store (a world of one, or a
+    user's world whose store torch does not expose). A rank deletes its key of two calls
+    back: every rank has read it (it set the last call's key after)."""
+    global _check_ins
+    state = get_parallel()
+    if _store is None or state.world_size == 1:
+        return None
+    _check_ins += 1
+    if _check_ins > 2:
+        with contextlib.suppress(Exception):
+            _store.delete_key(f"check_in_{_check_ins - 2}/{state.rank}")
+    return await_peers(_store, state.rank, state.world_size, timeout_s,
+                       key=f"check_in_{_check_ins}", value=value, doing=doing,
+                       timeout_name="dist_timeout")
 
 
 def _new_groups(rank_lists: list[list[int]], backend: str | None, timeout_s: float):
@@ -343,8 +390,8 @@ def init_parallel_runtime(cfg) -> ParallelState:
 
 def destroy_parallel_runtime() -> None:
     """Destroy every process group and forget the stamps; safe to call twice."""
-    global _stamped, _adopted
-    state, _stamped = _stamped, None
+    global _stamped, _adopted, _store
+    state, _stamped, _store = _stamped, None, None
     if dist.is_available() and dist.is_initialized():
         if _adopted:  # only the groups we made; the caller's default group stays
             groups = {id(g): g for g in (state.tp_group, state.attn_tp_group, state.cpu_group)

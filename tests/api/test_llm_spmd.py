@@ -1,0 +1,104 @@
+"""LLM() and generate() are SPMD: every rank calls them with the same arguments. What a user's
+program that breaks the rule gets, on a real 2-rank gloo world that the engine makes itself
+(torchrun's environment, no process group of the program's own).
+
+Oracles: the same call made right on every rank (its greedy tokens), and the arguments each
+rank was given (the message must name what differs, and on which ranks).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from multirank import run_world
+from references import heldout
+
+ARGS = {"kv_cache_memory": "64MiB", "device": "cpu", "speculative_policy": "fixed"}
+
+
+def _misuse(rank: int) -> dict:
+    import gc
+    import time
+
+    from dspark_launch import LLM, SamplingParams
+    from dspark_launch.api import NotSPMD
+    from dspark_launch.parallel import get_parallel
+
+    prompts = heldout()[:2]
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    out: dict = {"said": {}}
+
+    def refused(name: str, call) -> None:
+        try:
+            call()
+        except NotSPMD as err:
+            out["said"][name] = str(err)
+
+    llm = LLM(dist_timeout=20, **ARGS)
+    out["right"] = llm.generate(prompts[0], greedy)[0].token_ids
+    refused("prompt", lambda: llm.generate(prompts[rank], greedy))
+    refused("count", lambda: llm.generate(prompts[:rank + 1], greedy))
+    refused("params", lambda: llm.generate(
+        prompts[0], SamplingParams(max_tokens=8 - 4 * rank, temperature=0)))
+    refused("bad on one", lambda: llm.generate(prompts[0] if rank else [10**9], greedy))
+    out["after"] = llm.generate(prompts[0], greedy)[0].token_ids  # still in step
+    llm.shutdown()
+    if rank == 0:
+        time.sleep(1.0)  # the next runtime's rendezvous with the ranks a second apart
+    refused("LLM()", lambda: LLM(dist_timeout=20, block_size=4 + rank, **ARGS))
+    llm = LLM(dist_timeout=20, **ARGS)
+    out["second"] = llm.generate(prompts[0], greedy)[0].token_ids
+    del llm  # dropped without shutdown()
+    gc.collect()
+    llm = LLM(dist_timeout=20, attn_dp_size=2, **ARGS)
+    out["attn_dp"] = get_parallel().attn_dp_size
+    out["dp"] = llm.generate(prompts[0], greedy)[0].token_ids
+    llm.shutdown()
+    with LLM(dist_timeout=3, **ARGS) as llm:
+        t0 = time.monotonic()
+        if rank == 0:  # only rank 0 calls generate(): the most common mistake
+            refused("only rank 0", lambda: llm.generate(prompts[0], greedy))
+        else:
+            time.sleep(5)
+        out["waited"] = time.monotonic() - t0
+    return out
+
+
+def test_ranks_asked_different_things_are_named_and_stay_in_step():
+    results = run_world(2, _misuse, timeout=240)
+    for r in results:
+        assert r["after"] == r["second"] == r["dp"] == r["right"]
+        assert r["attn_dp"] == 2  # not the dropped LLM's topology
+    r0, r1 = results
+    assert r0["right"] == r1["right"]
+    for name in ("prompt", "count", "params", "bad on one", "LLM()"):
+        assert r0["said"][name] == r1["said"][name], name  # every rank says the same
+    said = r0["said"]
+    assert said["prompt"].startswith("generate() call 2 differs across ranks (prompt ids: "
+                                     "rank(s) [0] ")
+    assert "rank(s) [1]" in said["prompt"] and "prompts:" not in said["prompt"]
+    assert "prompts: rank(s) [0] 1, rank(s) [1] 2" in said["count"]
+    assert "sampling_params: rank(s) [0]" in said["params"] and "prompt ids" not in said["params"]
+    assert said["bad on one"].startswith(
+        'generate() call 5 differs across ranks (error: rank(s) [0] "ValueError: prompt 0: '
+        'prompt token ids [1000000000] outside the vocabulary [0, 2048)", rank(s) [1] none)')
+    assert said["LLM()"].startswith("LLM() differs across ranks (block_size: rank(s) [0] "
+                                    "\"4\", rank(s) [1] \"5\")")
+    assert said["only rank 0"].startswith("rank(s) [1] of 2 did not reach generate() call 1 "
+                                          "within dist_timeout=3 s")
+    assert "only rank 0" not in r1["said"] and 3 <= r0["waited"] < 8
+
+
+@pytest.mark.parametrize("kw, named", [
+    ({"tp_size": 0}, "tp_size=0"), ({"attn_dp_size": 0}, "attn_dp_size=0"),
+    ({"dist_timeout": -5}, "dist_timeout=-5"), ({"dist_timeout": "300"}, "dist_timeout='300'"),
+    ({"dist_timeout": math.nan}, "dist_timeout=nan"),
+])
+def test_bad_topology_arguments_are_named(kw, named):
+    from dspark_launch import LLM
+    from dspark_launch.parallel import is_initialized
+
+    with pytest.raises(ValueError, match=named.replace("(", r"\(")):
+        LLM(**kw, **ARGS)
+    assert not is_initialized()
