@@ -34,6 +34,7 @@ from dspark_launch.parallel import (
     NotJoined,
     check_in,
     destroy_parallel_runtime,
+    get_parallel,
     init_parallel_runtime,
     is_initialized,
     launch_world_size,
@@ -122,6 +123,7 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._indices = itertools.count()  # the same on every rank: generate is SPMD
         self._calls = 0  # generate() calls, for the messages of _agree
+        self._out_of_step: str | None = None  # why this rank's engine may disagree (generate)
 
     # ------------------------------------------------------------------ generate
 
@@ -135,6 +137,10 @@ class LLM:
         """Run every prompt to the end; outputs in input order, the same on every rank."""
         if self.engine is None:
             raise RuntimeError("generate() after shutdown(): build a new LLM")
+        if self._out_of_step:
+            raise RuntimeError(f"this rank left a generate() mid-batch ({self._out_of_step}) "
+                               f"and the ranks may no longer be in step: shutdown() and build "
+                               f"a new LLM on every rank")
         self._calls += 1
         error = None
         try:
@@ -173,12 +179,17 @@ class LLM:
                     if delta.finished is not None:
                         results[order[delta.rid]] = delta.finished
             self.engine.settle()
-        except BaseException:
+        except BaseException as err:
             # Ctrl-C (or an error) mid-batch: its requests end at the next step, not run on
             # to max_tokens inside the next generate() while holding their pages.
             for rid in order:
                 if rid in processor:
                     self.engine.abort(rid)
+            if order and get_parallel().world_size > 1:
+                # The other ranks may have left at another step, or be stepping still: the
+                # engines no longer agree, and a next call would return other outputs on
+                # each rank (or wait in mismatched collectives).
+                self._out_of_step = f"{type(err).__name__} in generate() call {self._calls}"
             raise
         return results  # type: ignore[return-value]
 

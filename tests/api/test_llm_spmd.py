@@ -102,3 +102,42 @@ def test_bad_topology_arguments_are_named(kw, named):
     with pytest.raises(ValueError, match=named.replace("(", r"\(")):
         LLM(**kw, **ARGS)
     assert not is_initialized()
+
+
+def _interrupted_on_one_rank(rank: int) -> dict:
+    from dspark_launch import LLM, SamplingParams
+
+    greedy = SamplingParams(max_tokens=16, temperature=0)
+    out: dict = {}
+    with LLM(dist_timeout=5, **ARGS) as llm:
+        step, steps = llm.engine.step, [0]
+
+        def interrupted_step():
+            steps[0] += 1
+            if rank == 0 and steps[0] == 3:
+                raise KeyboardInterrupt  # caught by the program below, as Ctrl-C on one rank
+            return step()
+
+        llm.engine.step = interrupted_step
+        try:
+            llm.generate(heldout()[0], greedy)
+        except BaseException as err:  # noqa: BLE001 - what each rank's program sees
+            out["first"] = type(err).__name__
+        llm.engine.step = step
+        try:
+            llm.generate(heldout()[0], greedy)
+        except RuntimeError as err:
+            out["next"] = str(err)
+    return out
+
+
+def test_a_generate_left_mid_batch_on_one_rank_is_not_carried_on():
+    """Rank 0's program catches a Ctrl-C raised in its third step and calls generate() again,
+    as a world of one may; rank 1 went on stepping. Before, the next call returned rank 0's
+    engine's outputs on one rank and other tokens on the other (or waited in mismatched
+    collectives); now every rank that left a batch refuses the next call, naming why."""
+    r0, r1 = run_world(2, _interrupted_on_one_rank, timeout=120)
+    assert r0["first"] == "KeyboardInterrupt" and "first" in r1
+    assert r0["next"].startswith("this rank left a generate() mid-batch (KeyboardInterrupt "
+                                 "in generate() call 1)")
+    assert r1["next"].startswith("this rank left a generate() mid-batch (")
