@@ -14,6 +14,7 @@ An already initialised default process group is joined as it is and left alone a
 from __future__ import annotations
 
 import contextlib
+import datetime
 import gc
 import hashlib
 import itertools
@@ -29,9 +30,12 @@ from dspark_launch.args import parse_bytes
 from dspark_launch.engine.build import EngineArgs, build_engine
 from dspark_launch.engine.params import SamplingParams
 from dspark_launch.engine.request import RequestSpec
+from dspark_launch.errors import ConfigError
 from dspark_launch.outputs import CompletionOutput, OutputProcessor
 from dspark_launch.parallel import (
+    GAVE_UP,
     NotJoined,
+    begin_runtime,
     check_in,
     destroy_parallel_runtime,
     get_parallel,
@@ -42,6 +46,8 @@ from dspark_launch.parallel import (
 
 __all__ = ["LLM", "SamplingParams", "CompletionOutput"]
 
+MAX_DIST_TIMEOUT_S = datetime.timedelta.max.total_seconds()
+
 
 @dataclass(frozen=True)
 class _Topology:
@@ -51,6 +57,7 @@ class _Topology:
     attn_dp_size: int
     device: str
     dist_timeout: float
+    timeout_name: str = "dist_timeout"  # as the API user spells it, in a rendezvous timeout
 
 
 def default_sampling(engine) -> dict:
@@ -80,6 +87,7 @@ class LLM:
                  dist_timeout: float = 300.0, **engine_args) -> None:
         """`engine_args` are EngineArgs fields (speculative_algorithm, block_size, dtype,
         device, kv_cache_memory ("256MiB" or bytes), max_running_requests, seed, ...)."""
+        begin_runtime()  # first: counted on every rank, whatever fails below
         known = {f.name for f in fields(EngineArgs)}
         unknown = sorted(set(engine_args) - known)
         if unknown:
@@ -102,20 +110,37 @@ class LLM:
             # whatever this one asks, and nobody would ever destroy its groups.
             LLM._made_runtime = False
             destroy_parallel_runtime()
+        world = tp_size or _world_size()
+
+        def agree() -> None:
+            """Check in with what this rank was asked (or why it refused it), before any
+            group or collective: ranks asked for other topologies or engines would wait in
+            mismatched collectives (a hang, or gloo's abort) instead of being named."""
+            error = None
+            try:
+                self.args = EngineArgs(model=model, draft=draft, **engine_args)
+                asked = {"model": model, "draft": draft, "tp_size": world,
+                         "attn_dp_size": attn_dp_size, "dist_timeout": self._dist_timeout,
+                         **{k: repr(v) for k, v in sorted(engine_args.items())}}
+            except (ConfigError, TypeError, ValueError) as err:
+                error, asked = err, {"error": f"{type(err).__name__}: {err}"}
+            self._agree("LLM()", asked)
+            if error is not None:
+                raise error
+
         try:
             if not is_initialized():
-                world = tp_size or _world_size()
                 init_parallel_runtime(_Topology(world, attn_dp_size,
                                                 engine_args.get("device", "auto"),
-                                                dist_timeout))
+                                                self._dist_timeout), joined=agree)
                 self._owns_runtime = LLM._made_runtime = True
-            self.args = EngineArgs(model=model, draft=draft, **engine_args)
-            # Before the build's collectives: ranks built with other arguments would wait in
-            # mismatched collectives (a hang, or gloo's abort) instead of being named.
-            self._agree("LLM()", {"model": model, "draft": draft, "tp_size": tp_size,
-                                  "attn_dp_size": attn_dp_size, "dist_timeout": dist_timeout,
-                                  **{k: repr(v) for k, v in sorted(engine_args.items())}})
+            else:
+                agree()
             self.engine = build_engine(self.args)
+        except NotJoined as err:  # a rank that never came to this LLM()
+            self.shutdown()
+            raise NotSPMD(f"{err}: LLM() and generate() are SPMD, every rank calls them with "
+                          f"the same arguments") from None
         except BaseException:
             self.shutdown()
             raise
@@ -138,9 +163,9 @@ class LLM:
         if self.engine is None:
             raise RuntimeError("generate() after shutdown(): build a new LLM")
         if self._out_of_step:
-            raise RuntimeError(f"this rank left a generate() mid-batch ({self._out_of_step}) "
-                               f"and the ranks may no longer be in step: shutdown() and build "
-                               f"a new LLM on every rank")
+            raise RuntimeError(f"this rank's engine may be out of step with the others "
+                               f"({self._out_of_step}): shutdown() and build a new LLM on every "
+                               f"rank")
         self._calls += 1
         error = None
         try:
@@ -153,7 +178,7 @@ class LLM:
                     raise ValueError(f"prompt {i}: stop={list(p.stop)} needs the "
                                      f"checkpoint's tokenizer.json (give stop_token_ids)")
             asked = {"prompts": len(token_lists), "prompt ids": _digest(token_lists),
-                     "sampling_params": _digest(params)}
+                     **_asked_params(params)}
         except (TypeError, ValueError) as err:
             error, asked = err, {"error": f"{type(err).__name__}: {err}"}
         # Every rank runs rank 0's requests: a rank asked for others would return rank 0's
@@ -189,7 +214,8 @@ class LLM:
                 # The other ranks may have left at another step, or be stepping still: the
                 # engines no longer agree, and a next call would return other outputs on
                 # each rank (or wait in mismatched collectives).
-                self._out_of_step = f"{type(err).__name__} in generate() call {self._calls}"
+                self._out_of_step = (f"it left generate() call {self._calls} mid-batch: "
+                                     f"{type(err).__name__}")
             raise
         return results  # type: ignore[return-value]
 
@@ -200,10 +226,16 @@ class LLM:
             values = check_in(json.dumps(asked, sort_keys=True, default=repr),
                               f"reach {call}", self._dist_timeout)
         except NotJoined as err:
+            self._out_of_step = f"it stopped waiting for rank(s) at {call}"  # they may come
             raise NotSPMD(f"{err}: LLM() and generate() are SPMD, every rank calls them with "
                           f"the same arguments") from None
         if values is None or len(set(values)) == 1:
             return
+        if gave_up := [r for r, v in enumerate(values) if v == GAVE_UP]:
+            self._out_of_step = f"rank(s) {gave_up} stopped waiting for it at {call}"
+            raise NotSPMD(f"rank(s) {gave_up} stopped waiting for this rank at {call} "
+                          f"(dist_timeout={self._dist_timeout:g} s): LLM() and generate() "
+                          f"are SPMD, every rank calls them with the same arguments")
         seen = [json.loads(v) for v in values]
         differ = []
         # A rank whose arguments were refused: its error is what differs.
@@ -292,9 +324,33 @@ def _check_topology(tp_size, attn_dp_size, dist_timeout) -> None:
                          f"rank of the world)")
     if not _is_id(attn_dp_size) or attn_dp_size < 1:
         raise ValueError(f"attn_dp_size={attn_dp_size!r}: expected a whole number >= 1")
-    if not isinstance(dist_timeout, numbers.Real) or isinstance(dist_timeout, bool) \
-            or not math.isfinite(dist_timeout) or dist_timeout <= 0:
-        raise ValueError(f"dist_timeout={dist_timeout!r}: expected a number of seconds > 0")
+    try:  # timedelta is what gloo takes it as: its bounds are the bounds
+        ok = isinstance(dist_timeout, numbers.Real) and not isinstance(dist_timeout, bool) \
+            and math.isfinite(dist_timeout) and dist_timeout > 0 \
+            and bool(datetime.timedelta(seconds=dist_timeout))
+    except OverflowError:
+        ok = False
+    if not ok:
+        raise ValueError(f"dist_timeout={dist_timeout!r}: expected a finite number of seconds "
+                         f"> 0 (at most {MAX_DIST_TIMEOUT_S:g})")
+
+
+def _asked_params(params: list[SamplingParams]) -> dict:
+    """SamplingParams as a check-in compares them: each field by name where every prompt has
+    the same (so a message names the field), else a digest of all; fields as == compares them
+    (`extra` left out, 0 and 0.0 alike)."""
+    def values(p: SamplingParams) -> dict:
+        out = {}
+        for f in fields(p):
+            if f.compare:
+                v = getattr(p, f.name)
+                out[f.name] = int(v) if isinstance(v, float) and v.is_integer() else v
+        return out
+
+    if all(p == params[0] for p in params[1:]):
+        return {f"sampling_params.{k}": v for k, v in values(params[0]).items()} if params \
+            else {}
+    return {"sampling_params": _digest([values(p) for p in params])}
 
 
 def _digest(value) -> str:

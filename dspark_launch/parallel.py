@@ -16,7 +16,7 @@ import datetime
 import gc
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -108,12 +108,21 @@ _adopted = False  # the default group was the caller's (LLM in a user's program)
 # The store the ranks met through, under a prefix of this runtime's own (None: a world of
 # one, or a user's world whose store torch does not expose): check_in() meets there.
 _store: dist.Store | None = None
-# Runtimes this process initialised (the same count on every rank: each rank builds and shuts
-# down its engines in the same order). Each runtime's keys go under a prefix of their own: a
-# second LLM after the first's shutdown read the first's gloo addresses and arrivals, and
+# Runtimes begun in this process (begin_runtime: the same count on every rank, which calls
+# LLM() in the same order as every other). Each runtime's keys go under a prefix of their own:
+# a second LLM after the first's shutdown read the first's gloo addresses and arrivals, and
 # connected to a rank's dead listener.
 _runtimes = 0
 _check_ins = 0  # check_in() calls of this runtime
+GAVE_UP = "\x00gave up"  # a check-in value: that rank stopped waiting (check_in)
+
+
+def begin_runtime() -> None:
+    """Count one more runtime, at the first line of each LLM(): a call that fails before it
+    joins the world on one rank only (a bad argument) must still count, or the ranks' prefixes
+    drift apart and every later LLM() waits under another prefix than its peers'."""
+    global _runtimes
+    _runtimes += 1
 
 
 def get_parallel() -> ParallelState:
@@ -175,7 +184,7 @@ def launch_world_size() -> int:
 
 
 def init_distributed_environment(
-    device_type: str = "auto", timeout_s: float = 600.0
+    device_type: str = "auto", timeout_s: float = 600.0, timeout_name: str = "--dist-timeout"
 ) -> ParallelState:
     """Join the world torchrun announced (or a world of one) and pick the backend."""
     global _stamped
@@ -198,8 +207,8 @@ def init_distributed_environment(
         device = torch.device("cpu")
         backend = "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
-    global _adopted, _store, _runtimes, _check_ins
-    _runtimes, _check_ins = _runtimes + 1, 0
+    global _adopted, _store, _check_ins
+    _check_ins = 0
     _adopted = dist.is_initialized()
     if _adopted:  # a user's program initialised the world: join it as it is
         rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -209,7 +218,7 @@ def init_distributed_environment(
         _store = _default_store()
     elif "MASTER_ADDR" in os.environ:
         _store = _launch_store(rank, world_size, timeout)
-        await_peers(_store, rank, world_size, timeout_s)
+        await_peers(_store, rank, world_size, timeout_s, timeout_name=timeout_name)
         dist.init_process_group(backend, store=_store, rank=rank, world_size=world_size,
                                 timeout=timeout)
     else:  # outside torchrun: a world of one, so every collective is the same code path
@@ -315,7 +324,9 @@ def check_in(value: str, doing: str, timeout_s: float) -> list[str] | None:
     is named after `timeout_s` (a collective would wait in C++, deaf to Ctrl-C) and a caller
     can compare what each rank was asked. None where there is no store (a world of one, or a
     user's world whose store torch does not expose). A rank deletes its key of two calls
-    back: every rank has read it (it set the last call's key after)."""
+    back: every rank has read it (it set the last call's key after). A rank that stops
+    waiting leaves GAVE_UP as its value, so a peer that comes late finds out instead of
+    stepping alone."""
     global _check_ins
     state = get_parallel()
     if _store is None or state.world_size == 1:
@@ -324,9 +335,14 @@ def check_in(value: str, doing: str, timeout_s: float) -> list[str] | None:
     if _check_ins > 2:
         with contextlib.suppress(Exception):
             _store.delete_key(f"check_in_{_check_ins - 2}/{state.rank}")
-    return await_peers(_store, state.rank, state.world_size, timeout_s,
-                       key=f"check_in_{_check_ins}", value=value, doing=doing,
-                       timeout_name="dist_timeout")
+    key = f"check_in_{_check_ins}"
+    try:
+        return await_peers(_store, state.rank, state.world_size, timeout_s, key=key,
+                           value=value, doing=doing, timeout_name="dist_timeout")
+    except BaseException:
+        with contextlib.suppress(Exception):
+            _store.set(f"{key}/{state.rank}", GAVE_UP)
+        raise
 
 
 def _new_groups(rank_lists: list[list[int]], backend: str | None, timeout_s: float):
@@ -377,10 +393,16 @@ def initialize_dp_attention(attn_dp_size: int, timeout_s: float = 600.0) -> Para
     return _stamped
 
 
-def init_parallel_runtime(cfg) -> ParallelState:
-    """Stamp the parallel state from a resolved RunConfig (tp_size, attn_dp_size, ...)."""
+def init_parallel_runtime(cfg, joined: Callable[[], None] | None = None) -> ParallelState:
+    """Stamp the parallel state from a resolved RunConfig (tp_size, attn_dp_size, ...).
+    `joined` runs once the world is joined, before the first group is made (LLM(): every
+    rank checks in with what it was asked, so ranks asked for other topologies are named
+    rather than left waiting in mismatched new_group calls)."""
     try:
-        init_distributed_environment(cfg.device, cfg.dist_timeout)
+        init_distributed_environment(cfg.device, cfg.dist_timeout,
+                                     getattr(cfg, "timeout_name", "--dist-timeout"))
+        if joined is not None:
+            joined()
         initialize_model_parallel(cfg.tp_size, cfg.dist_timeout)
         return initialize_dp_attention(cfg.attn_dp_size, cfg.dist_timeout)
     except BaseException:

@@ -18,6 +18,7 @@ ARGS = {"kv_cache_memory": "64MiB", "device": "cpu", "speculative_policy": "fixe
 
 
 def _misuse(rank: int) -> dict:
+    import contextlib
     import gc
     import time
 
@@ -61,7 +62,23 @@ def _misuse(rank: int) -> dict:
             refused("only rank 0", lambda: llm.generate(prompts[0], greedy))
         else:
             time.sleep(5)
+            refused("late", lambda: llm.generate(prompts[0], greedy))
         out["waited"] = time.monotonic() - t0
+        try:
+            llm.generate(prompts[0], greedy)
+        except RuntimeError as err:
+            out["after late"] = str(err)
+    # One rank's arguments refused before it joins (a bad value), then one refused after
+    # (EngineArgs: chunked_prefill_size=0), then the right call.
+    if rank == 1:
+        with contextlib.suppress(ValueError):
+            LLM(dist_timeout=3, tp_size=0, **ARGS)
+    else:
+        refused("never joined", lambda: LLM(dist_timeout=3, **ARGS))
+    refused("one rank refused", lambda: LLM(dist_timeout=20, chunked_prefill_size=1 - rank,
+                                            **ARGS))
+    with LLM(dist_timeout=20, **ARGS) as llm:
+        out["retried"] = llm.generate(prompts[0], greedy)[0].token_ids
     return out
 
 
@@ -79,7 +96,9 @@ def test_ranks_asked_different_things_are_named_and_stay_in_step():
                                      "rank(s) [0] ")
     assert "rank(s) [1]" in said["prompt"] and "prompts:" not in said["prompt"]
     assert "prompts: rank(s) [0] 1, rank(s) [1] 2" in said["count"]
-    assert "sampling_params: rank(s) [0]" in said["params"] and "prompt ids" not in said["params"]
+    assert said["params"].startswith("generate() call 4 differs across ranks "
+                                     "(sampling_params.max_tokens: rank(s) [0] 8, rank(s) [1] 4)")
+    assert "sampling_params" not in said["count"]  # the same SamplingParams for every prompt
     assert said["bad on one"].startswith(
         'generate() call 5 differs across ranks (error: rank(s) [0] "ValueError: prompt 0: '
         'prompt token ids [1000000000] outside the vocabulary [0, 2048)", rank(s) [1] none)')
@@ -87,21 +106,35 @@ def test_ranks_asked_different_things_are_named_and_stay_in_step():
                                     "\"4\", rank(s) [1] \"5\")")
     assert said["only rank 0"].startswith("rank(s) [1] of 2 did not reach generate() call 1 "
                                           "within dist_timeout=3 s")
-    assert "only rank 0" not in r1["said"] and 3 <= r0["waited"] < 8
+    assert 3 <= r0["waited"] < 8
+    # Rank 1 comes late: rank 0 stopped waiting, so rank 1 must not step alone.
+    assert r1["said"]["late"].startswith("rank(s) [0] stopped waiting for this rank at "
+                                         "generate() call 1 (dist_timeout=3 s)")
+    for r in results:  # both out of step now: each refuses the next call
+        assert r["after late"].startswith("this rank's engine may be out of step with the "
+                                          "others (")
+    assert "(it stopped waiting for rank(s) at generate() call 1)" in r0["after late"]
+    assert "(rank(s) [0] stopped waiting for it at generate() call 1)" in r1["after late"]
+    # A refusal on one rank only, before and after the world is joined: every later LLM()
+    # still meets its peers (each LLM() a runtime of its own on every rank).
+    assert r0["said"]["one rank refused"].startswith("LLM() differs across ranks (error: "
+                                                     "rank(s) [0] none, rank(s) [1] \"Config")
+    assert r0["said"]["never joined"].startswith("rank(s) [1] of 2 did not join within "
+                                                 "dist_timeout=3 s: LLM() and generate() are")
+    assert r0["retried"] == r1["retried"] == r0["right"]
 
 
 @pytest.mark.parametrize("kw, named", [
     ({"tp_size": 0}, "tp_size=0"), ({"attn_dp_size": 0}, "attn_dp_size=0"),
     ({"dist_timeout": -5}, "dist_timeout=-5"), ({"dist_timeout": "300"}, "dist_timeout='300'"),
-    ({"dist_timeout": math.nan}, "dist_timeout=nan"),
+    ({"dist_timeout": math.nan}, "dist_timeout=nan"), ({"dist_timeout": 1e14}, "dist_timeout=1"),
+    ({"dist_timeout": 10**400}, "dist_timeout=1000"),
 ])
 def test_bad_topology_arguments_are_named(kw, named):
     from dspark_launch import LLM
-    from dspark_launch.parallel import is_initialized
 
     with pytest.raises(ValueError, match=named.replace("(", r"\(")):
         LLM(**kw, **ARGS)
-    assert not is_initialized()
 
 
 def _interrupted_on_one_rank(rank: int) -> dict:
@@ -138,6 +171,7 @@ def test_a_generate_left_mid_batch_on_one_rank_is_not_carried_on():
     collectives); now every rank that left a batch refuses the next call, naming why."""
     r0, r1 = run_world(2, _interrupted_on_one_rank, timeout=120)
     assert r0["first"] == "KeyboardInterrupt" and "first" in r1
-    assert r0["next"].startswith("this rank left a generate() mid-batch (KeyboardInterrupt "
-                                 "in generate() call 1)")
-    assert r1["next"].startswith("this rank left a generate() mid-batch (")
+    assert r0["next"].startswith("this rank's engine may be out of step with the others (it "
+                                 "left generate() call 1 mid-batch: KeyboardInterrupt)")
+    assert r1["next"].startswith("this rank's engine may be out of step with the others (it "
+                                 "left generate() call 1 mid-batch: ")
