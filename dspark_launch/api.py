@@ -14,12 +14,10 @@ An already initialised default process group is joined as it is and left alone a
 from __future__ import annotations
 
 import contextlib
-import datetime
 import gc
 import hashlib
 import itertools
 import json
-import math
 import numbers
 import weakref
 from collections.abc import Mapping, Sequence
@@ -46,7 +44,8 @@ from dspark_launch.parallel import (
 
 __all__ = ["LLM", "SamplingParams", "CompletionOutput"]
 
-MAX_DIST_TIMEOUT_S = datetime.timedelta.max.total_seconds()
+# Gloo keeps a timeout in signed 64-bit microseconds: past this, init_process_group refuses it.
+MAX_DIST_TIMEOUT_S = float((2**63 - 1) // 10**6)
 
 
 @dataclass(frozen=True)
@@ -324,11 +323,10 @@ def _check_topology(tp_size, attn_dp_size, dist_timeout) -> None:
                          f"rank of the world)")
     if not _is_id(attn_dp_size) or attn_dp_size < 1:
         raise ValueError(f"attn_dp_size={attn_dp_size!r}: expected a whole number >= 1")
-    try:  # timedelta is what gloo takes it as: its bounds are the bounds
+    try:
         ok = isinstance(dist_timeout, numbers.Real) and not isinstance(dist_timeout, bool) \
-            and math.isfinite(dist_timeout) and dist_timeout > 0 \
-            and bool(datetime.timedelta(seconds=dist_timeout))
-    except OverflowError:
+            and 0 < float(dist_timeout) <= MAX_DIST_TIMEOUT_S
+    except OverflowError:  # an int past float's range
         ok = False
     if not ok:
         raise ValueError(f"dist_timeout={dist_timeout!r}: expected a finite number of seconds "

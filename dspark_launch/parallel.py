@@ -113,6 +113,7 @@ _store: dist.Store | None = None
 # a second LLM after the first's shutdown read the first's gloo addresses and arrivals, and
 # connected to a rank's dead listener.
 _runtimes = 0
+_begun = False  # begin_runtime() counted the next runtime already
 _check_ins = 0  # check_in() calls of this runtime
 GAVE_UP = "\x00gave up"  # a check-in value: that rank stopped waiting (check_in)
 
@@ -120,9 +121,10 @@ GAVE_UP = "\x00gave up"  # a check-in value: that rank stopped waiting (check_in
 def begin_runtime() -> None:
     """Count one more runtime, at the first line of each LLM(): a call that fails before it
     joins the world on one rank only (a bad argument) must still count, or the ranks' prefixes
-    drift apart and every later LLM() waits under another prefix than its peers'."""
-    global _runtimes
-    _runtimes += 1
+    drift apart and every later LLM() waits under another prefix than its peers'. Any other
+    runtime (the CLI's, a script's) is counted when it joins."""
+    global _runtimes, _begun
+    _runtimes, _begun = _runtimes + 1, True
 
 
 def get_parallel() -> ParallelState:
@@ -207,8 +209,8 @@ def init_distributed_environment(
         device = torch.device("cpu")
         backend = "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
-    global _adopted, _store, _check_ins
-    _check_ins = 0
+    global _adopted, _store, _check_ins, _runtimes, _begun
+    _runtimes, _begun, _check_ins = _runtimes + (not _begun), False, 0
     _adopted = dist.is_initialized()
     if _adopted:  # a user's program initialised the world: join it as it is
         rank, world_size = dist.get_rank(), dist.get_world_size()

@@ -128,7 +128,7 @@ def test_ranks_asked_different_things_are_named_and_stay_in_step():
     ({"tp_size": 0}, "tp_size=0"), ({"attn_dp_size": 0}, "attn_dp_size=0"),
     ({"dist_timeout": -5}, "dist_timeout=-5"), ({"dist_timeout": "300"}, "dist_timeout='300'"),
     ({"dist_timeout": math.nan}, "dist_timeout=nan"), ({"dist_timeout": 1e14}, "dist_timeout=1"),
-    ({"dist_timeout": 10**400}, "dist_timeout=1000"),
+    ({"dist_timeout": 10**400}, "dist_timeout=1000"), ({"dist_timeout": 1e13}, "dist_timeout=1"),
 ])
 def test_bad_topology_arguments_are_named(kw, named):
     from dspark_launch import LLM
@@ -175,3 +175,32 @@ def test_a_generate_left_mid_batch_on_one_rank_is_not_carried_on():
                                  "left generate() call 1 mid-batch: KeyboardInterrupt)")
     assert r1["next"].startswith("this rank's engine may be out of step with the others (it "
                                  "left generate() call 1 mid-batch: ")
+
+
+def _two_runtimes(rank: int) -> list[int]:
+    """A runtime made without LLM() (as the CLI and scripts make theirs), destroyed, and made
+    again with rank 1 two seconds late: each must meet its peers under its own store prefix."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from dspark_launch.args import RunConfig
+    from dspark_launch.parallel import destroy_parallel_runtime, init_parallel_runtime
+
+    sums = []
+    for again in (False, True):
+        if again and rank == 1:
+            time.sleep(2)
+        init_parallel_runtime(RunConfig(tp_size=2, device="cpu", dist_timeout=15))
+        total = torch.tensor([rank + 1])
+        dist.all_reduce(total)
+        sums.append(int(total))
+        destroy_parallel_runtime()
+    return sums
+
+
+def test_runtimes_made_one_after_another_each_meet_under_their_own_prefix():
+    """Without a prefix of its own, the second runtime's rank 0 found rank 1's first arrival
+    and gloo address in the store and connected to a closed listener."""
+    assert run_world(2, _two_runtimes, timeout=120) == [[3, 3], [3, 3]]
