@@ -4,7 +4,7 @@
 it is imported on first use, so `python -m dspark_launch` does not pay for it.
 """
 
-__all__ = ["LLM", "SamplingParams", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "CompletionOutput", "NotSPMD"]
 
 
 def __getattr__(name: str):

@@ -42,7 +42,7 @@ from dspark_launch.parallel import (
     launch_world_size,
 )
 
-__all__ = ["LLM", "SamplingParams", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "CompletionOutput", "NotSPMD"]
 
 # Gloo keeps a timeout in signed 64-bit microseconds: past this, init_process_group refuses it.
 MAX_DIST_TIMEOUT_S = float((2**63 - 1) // 10**6)

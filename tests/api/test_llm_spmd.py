@@ -22,8 +22,7 @@ def _misuse(rank: int) -> dict:
     import gc
     import time
 
-    from dspark_launch import LLM, SamplingParams
-    from dspark_launch.api import NotSPMD
+    from dspark_launch import LLM, NotSPMD, SamplingParams
     from dspark_launch.parallel import get_parallel
 
     prompts = heldout()[:2]
