@@ -25,6 +25,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from dspark_launch.args import parse_bytes
+from dspark_launch.comm import ranks_by
 from dspark_launch.engine.build import EngineArgs, build_engine
 from dspark_launch.engine.params import SamplingParams
 from dspark_launch.engine.request import RequestSpec
@@ -68,6 +69,9 @@ def default_sampling(engine) -> dict:
         if isinstance(max_new, int) and max_new > 0:
             defaults["max_tokens"] = max_new
     return defaults
+
+
+SPMD_RULE = "LLM() and generate() are SPMD, every rank calls them with the same arguments"
 
 
 class NotSPMD(RuntimeError):
@@ -138,8 +142,7 @@ class LLM:
             self.engine = build_engine(self.args)
         except NotJoined as err:  # a rank that never came to this LLM()
             self.shutdown()
-            raise NotSPMD(f"{err}: LLM() and generate() are SPMD, every rank calls them with "
-                          f"the same arguments") from None
+            raise NotSPMD(f"{err}: {SPMD_RULE}") from None
         except BaseException:
             self.shutdown()
             raise
@@ -226,25 +229,20 @@ class LLM:
                               f"reach {call}", self._dist_timeout)
         except NotJoined as err:
             self._out_of_step = f"it stopped waiting for rank(s) at {call}"  # they may come
-            raise NotSPMD(f"{err}: LLM() and generate() are SPMD, every rank calls them with "
-                          f"the same arguments") from None
+            raise NotSPMD(f"{err}: {SPMD_RULE}") from None
         if values is None or len(set(values)) == 1:
             return
         if gave_up := [r for r, v in enumerate(values) if v == GAVE_UP]:
             self._out_of_step = f"rank(s) {gave_up} stopped waiting for it at {call}"
             raise NotSPMD(f"rank(s) {gave_up} stopped waiting for this rank at {call} "
-                          f"(dist_timeout={self._dist_timeout:g} s): LLM() and generate() "
-                          f"are SPMD, every rank calls them with the same arguments")
+                          f"(dist_timeout={self._dist_timeout:g} s): {SPMD_RULE}")
         seen = [json.loads(v) for v in values]
         differ = []
         # A rank whose arguments were refused: its error is what differs.
         keys = ["error"] if any("error" in s for s in seen) else sorted({k for s in seen
                                                                           for k in s})
         for key in keys:
-            by_value: dict[str, list[int]] = {}
-            for rank, s in enumerate(seen):
-                by_value.setdefault(json.dumps(s[key]) if key in s else "none",
-                                    []).append(rank)
+            by_value = ranks_by([json.dumps(s[key]) if key in s else "none" for s in seen])
             if len(by_value) > 1:
                 differ.append(f"{key}: " + ", ".join(f"rank(s) {ranks} {v}"
                                                      for v, ranks in by_value.items()))

@@ -145,6 +145,14 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 T = TypeVar("T")
 
 
+def ranks_by(values: list[T]) -> dict[T, list[int]]:
+    """Each distinct value of a per-rank list, with the ranks that hold it (first seen first)."""
+    by_value: dict[T, list[int]] = {}
+    for rank, value in enumerate(values):
+        by_value.setdefault(value, []).append(rank)
+    return by_value
+
+
 def agreed(step: Callable[[], T]) -> T:
     """Run a startup step on every rank; when any rank raises a ConfigError, every rank raises
     one that names the failing ranks (a shard missing on one node must not leave the others
@@ -156,10 +164,8 @@ def agreed(step: Callable[[], T]) -> T:
     except ConfigError as err:
         error = str(err)
     errors = all_gather_object(error)
-    by_message: dict[str, list[int]] = {}
-    for rank, message in enumerate(errors):
-        if message is not None:
-            by_message.setdefault(message, []).append(rank)
+    by_message = ranks_by(errors)
+    by_message.pop(None, None)
     if not by_message:
         return result  # type: ignore[return-value]
     if len(by_message) == 1 and len(next(iter(by_message.values()))) == len(errors):
