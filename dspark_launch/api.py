@@ -334,19 +334,23 @@ def _check_topology(tp_size, attn_dp_size, dist_timeout) -> None:
 def _asked_params(params: list[SamplingParams]) -> dict:
     """SamplingParams as a check-in compares them: each field by name where every prompt has
     the same (so a message names the field), else a digest of all; fields as == compares them
-    (`extra` left out, 0 and 0.0 alike)."""
+    (`extra` left out, 0 and 0.0 alike), stops as the sets they are: a program that lists a
+    set (`stop=list({...})`) lists it in another order on each rank (str hashes are salted
+    per process)."""
     def values(p: SamplingParams) -> dict:
         out = {}
         for f in fields(p):
             if f.compare:
                 v = getattr(p, f.name)
+                if f.name in ("stop", "stop_token_ids"):
+                    v = sorted(set(v))
                 out[f.name] = int(v) if isinstance(v, float) and v.is_integer() else v
         return out
 
-    if all(p == params[0] for p in params[1:]):
-        return {f"sampling_params.{k}": v for k, v in values(params[0]).items()} if params \
-            else {}
-    return {"sampling_params": _digest([values(p) for p in params])}
+    seen = [values(p) for p in params]
+    if all(v == seen[0] for v in seen[1:]):
+        return {f"sampling_params.{k}": v for k, v in seen[0].items()} if seen else {}
+    return {"sampling_params": _digest(seen)}
 
 
 def _digest(value) -> str:

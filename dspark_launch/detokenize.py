@@ -13,8 +13,9 @@ of byte tokens as U+FFFD once one byte in it is unfinished, characters already r
 included: there the text ends at the last character released (vLLM's text, too).
 
 StopStrings: generation ends at the first token after which a stop string is in the text; the
-text is cut where the earliest-starting stop string present then starts, and is never emitted
-(with vLLM's include_stop_str_in_output: cut where it ends).
+text is cut where the earliest-starting stop string present then starts (of several starting
+there, the shortest), and is never emitted (with vLLM's include_stop_str_in_output: cut where
+it ends). The order the stops are given in changes nothing.
 While streaming, the last `len(longest stop) - 1` characters are held back, since they may be
 the start of a stop string that the next token completes.
 """
@@ -101,7 +102,9 @@ class StopStrings:
             # was ruled out while armed, or came before min_tokens (one window for all
             # stops, the longest's, let a short stop end in text from before min_tokens).
             at = self.text.find(stop, max(0, old - len(stop) + 1))
-            if at != -1 and at < cut:
+            # Stops starting at one place: the shortest (it ended first), whatever their
+            # order, so the stops are a set (ranks may list a set in other orders).
+            if at != -1 and (at < cut or at == cut and len(stop) < len(which)):
                 cut, which = at, stop
         if which is not None:
             self.matched = which

@@ -43,6 +43,10 @@ def _misuse(rank: int) -> dict:
         prompts[0], SamplingParams(max_tokens=8 - 4 * rank, temperature=0)))
     refused("bad on one", lambda: llm.generate(prompts[0] if rank else [10**9], greedy))
     out["after"] = llm.generate(prompts[0], greedy)[0].token_ids  # still in step
+    # Stops are a set: listed in other orders (a set's order differs per process) they agree.
+    stops = ["e", " ", "a", "\n"]
+    out["stops"] = llm.generate(prompts[0], SamplingParams(
+        max_tokens=8, temperature=0, stop=stops[::1 - 2 * rank]))[0].text
     llm.shutdown()
     if rank == 0:
         time.sleep(1.0)  # the next runtime's rendezvous with the ranks a second apart
@@ -88,6 +92,7 @@ def test_ranks_asked_different_things_are_named_and_stay_in_step():
         assert r["attn_dp"] == 2  # not the dropped LLM's topology
     r0, r1 = results
     assert r0["right"] == r1["right"]
+    assert r0["stops"] == r1["stops"]
     for name in ("prompt", "count", "params", "bad on one", "LLM()"):
         assert r0["said"][name] == r1["said"][name], name  # every rank says the same
     said = r0["said"]

@@ -116,6 +116,27 @@ def test_several_stop_strings_end_at_the_first_that_appears(text, spans, absent)
         assert used == k and matched in stops
 
 
+@SETTINGS
+@given(TEXT, st.integers(0, 40), st.lists(st.integers(1, 6), min_size=2, max_size=3),
+       st.booleans())
+def test_the_order_stops_are_given_in_changes_nothing(text, start, lengths, include):
+    """Stops starting at one place and ending in one token: the first listed won, so ranks
+    listing a set (`stop=list({...})`, other orders per process) cut other texts and named
+    other stops. Now the shortest wins, in any order."""
+    stops = list(dict.fromkeys(text[start:start + n] for n in lengths if text[start:start + n]))
+    ids = TOK.encode(text).ids
+    runs = {_until_stop(TextStream(TOK, tuple(order), include_stop=include), ids)
+            for order in (stops, stops[::-1])}
+    assert len(runs) == 1
+
+
+def test_of_stops_starting_at_one_place_the_shortest_ends_the_text():
+    word = next(w for w in ("hello", "return", "the") if len(TOK.encode(w).ids) == 1)
+    for order in ((word[:2], word), (word, word[:2])):
+        assert _until_stop(TextStream(TOK, order, include_stop=True),
+                           TOK.encode(word).ids) == (word[:2], word[:2])
+
+
 def test_multi_token_stop_straddling_a_token_end():
     text = "x = foo(bar)\nreturn bar"
     ids = TOK.encode(text).ids
