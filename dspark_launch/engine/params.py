@@ -69,9 +69,11 @@ class SamplingParams:
             raise bad("top_p", "must be in (0, 1]")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise bad("top_k", "must be an integer >= 0 (0 or -1 turn it off)")
+        # Any integer (OpenAI's and vLLM's clients send negative ones): request_key hashes
+        # it down to 64 bits.
         if self.seed is not None and (isinstance(self.seed, bool)
-                                      or not isinstance(self.seed, int) or self.seed < 0):
-            raise bad("seed", "must be a non-negative integer or null")
+                                      or not isinstance(self.seed, int)):
+            raise bad("seed", "must be an integer or null")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0

@@ -27,6 +27,7 @@ from dspark_launch.serve.requests import (
     ModelInfo,
     chat_prompt,
     check_model,
+    check_room,
     completion_prompts,
     sampling_params,
 )
@@ -123,7 +124,7 @@ class Handlers:
                 delta: CompletionDelta = await sink.get()
                 if isinstance(delta, APIError):  # the server stops under it (fail_open)
                     yield sse(json.dumps(delta.body()))
-                    break
+                    return  # the error is the last event: no usage, no [DONE]
                 if delta.text or delta.finished is not None:
                     yield sse(render(choice_of[delta.rid], delta))
                 if delta.finished is not None:
@@ -142,6 +143,9 @@ class Handlers:
         check_model(req.model, self.info)
         params = sampling_params(req, self.info, req.max_tokens)
         prompts = completion_prompts(req, self.info)
+        if req.max_tokens is not None:  # else the default, cut to what fits
+            for ids, _ in prompts:
+                check_room(ids, params.max_tokens, self.info, "prompt", "max_tokens")
         rid, created, model = p.new_id("cmpl"), p.now(), self.info.name
         echo = {i: (text or self.info.tokenizer.decode(ids)) if req.echo else ""
                 for i, (ids, text) in enumerate(prompts)}
@@ -174,10 +178,13 @@ class Handlers:
     async def chat(self, request: Request) -> Response:
         req = await parse(request, p.ChatCompletionRequest)
         check_model(req.model, self.info)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
-            else req.max_tokens
-        params = sampling_params(req, self.info, max_tokens)
+        name = "max_completion_tokens" if req.max_completion_tokens is not None \
+            else "max_tokens"
+        max_tokens = getattr(req, name)
+        params = sampling_params(req, self.info, max_tokens, name)
         ids, text = chat_prompt(req, self.info)
+        if max_tokens is not None:
+            check_room(ids, params.max_tokens, self.info, "messages", name)
         rid, created, model = p.new_id("chatcmpl"), p.now(), self.info.name
         first = [True]
 

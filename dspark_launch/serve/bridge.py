@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dspark_launch.engine.params import SamplingParams
-from dspark_launch.serve.errors import overloaded, shutting_down
+from dspark_launch.serve.errors import bad_request, overloaded, shutting_down
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,11 @@ class RequestBridge:
             if not self.accepting:
                 raise shutting_down()
             queued = self.queued
+            if self.max_queued is not None and len(prompts) > self.max_queued:
+                # No retry gets it through: a 400, not a 503 with a Retry-After.
+                raise bad_request(f"prompt holds {len(prompts)} prompts; this server queues "
+                                  f"at most --max-queued-requests={self.max_queued}: send at "
+                                  f"most that many per request", "prompt")
             if self.max_queued is not None and queued + len(prompts) > self.max_queued:
                 raise overloaded(queued, self.max_queued)
             rids = []

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
-Number = StrictInt | StrictFloat
+Number = StrictFloat  # takes ints too (as floats); a union named only its int branch's error
 
 
 class _Request(BaseModel):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 
 from dspark_launch.engine.params import ParamError, SamplingParams, outside_vocab
 from dspark_launch.serve.chat import ChatTemplate, ChatTemplateError
@@ -31,6 +32,20 @@ class ModelInfo:
     chat_template: ChatTemplate | None
     model_dir: str
 
+    @cached_property
+    def max_prompt_chars(self) -> int | None:
+        """Characters beyond which a text cannot fit the context, known without tokenizing
+        it: a token covers at most as many characters as its vocabulary entry has (bytes in
+        byte-level BPE), and a normalizer folds at most a few into one (NFC composes a letter
+        and its marks). The tokenizer holds the GIL while it works: an 8 MB prompt stopped
+        every other request and /health for 7 s before its 400. None: a tokenizer without a
+        vocabulary to read."""
+        try:
+            longest = max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)))
+        except AttributeError:
+            return None
+        return self.context_limit * longest * (1 if self.tokenizer.normalizer is None else 4)
+
 
 # Fields this server does not implement, and the values that leave them off. Set otherwise,
 # a request is refused naming the field: ignored, its answer would not be what was asked for
@@ -47,9 +62,11 @@ def _off(value, offs: tuple) -> bool:
     return any(type(value) is type(off) and value == off for off in offs)
 
 
-def sampling_params(req: SamplingFields, info: ModelInfo, max_tokens: int | None
-                    ) -> SamplingParams:
-    """The client's fields over the checkpoint's defaults; unset fields take the defaults."""
+def sampling_params(req: SamplingFields, info: ModelInfo, max_tokens: int | None,
+                    max_tokens_name: str = "max_tokens") -> SamplingParams:
+    """The client's fields over the checkpoint's defaults; unset fields take the defaults.
+    `max_tokens_name`: the field the client gave max_tokens as (chat's
+    max_completion_tokens), which a refusal names."""
     for name, offs in UNSUPPORTED.items():
         if not _off(getattr(req, name), offs):
             shown = " or ".join(json.dumps(off) for off in offs[1:])
@@ -73,6 +90,9 @@ def sampling_params(req: SamplingFields, info: ModelInfo, max_tokens: int | None
     try:
         params = SamplingParams(**fields)
     except ParamError as err:
+        if err.param == "max_tokens":
+            raise bad_request(max_tokens_name + str(err).removeprefix("max_tokens"),
+                              max_tokens_name) from None
         raise bad_request(str(err), err.param) from None
     if bad := outside_vocab(params.stop_token_ids, info.vocab_size):
         raise bad_request(f"stop_token_ids holds token ids {bad[:5]} outside the vocabulary "
@@ -98,6 +118,33 @@ def _check_ids(ids: list[int], info: ModelInfo, param: str) -> list[int]:
     return ids
 
 
+def check_room(ids: list[int], max_tokens: int, info: ModelInfo, param: str,
+               max_tokens_name: str) -> None:
+    """A prompt and the max_tokens the client asked for must fit the context together
+    (vLLM's 400): cut short, the answer would end at "length" before what was asked."""
+    if len(ids) + max_tokens > info.context_limit:
+        raise bad_request(
+            f"{param} is {len(ids)} tokens and {max_tokens_name}={max_tokens} asks for "
+            f"{len(ids) + max_tokens} in all; the context holds {info.context_limit} tokens "
+            f"(prompt + output): ask for at most {info.context_limit - len(ids)} new tokens, "
+            f"or shorten the prompt", max_tokens_name)
+
+
+def encode(text: str, info: ModelInfo, param: str, add_special_tokens: bool) -> list[int]:
+    """A prompt's token ids; what the tokenizer would refuse with an exception (a lone
+    surrogate: JSON allows "\\ud800") or takes seconds to find too long is refused first."""
+    if info.max_prompt_chars is not None and len(text) > info.max_prompt_chars:
+        raise bad_request(f"{param} is {len(text)} characters, more than the context of "
+                          f"{info.context_limit} tokens can hold", param)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise bad_request(f"{param} holds {text[err.start]!r} at character {err.start}, "
+                          f"which is not Unicode text (a lone surrogate); send valid "
+                          f"UTF-16 pairs or the character itself", param) from None
+    return info.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+
 def completion_prompts(req: CompletionRequest, info: ModelInfo
                        ) -> list[tuple[list[int], str | None]]:
     """(token ids, text) per prompt of the batch."""
@@ -115,7 +162,7 @@ def completion_prompts(req: CompletionRequest, info: ModelInfo
         if isinstance(item, str):
             # With the tokenizer's special tokens (a BOS where it adds one), as the CLI job
             # and vLLM's completions do; a chat prompt's come from its template
-            ids = info.tokenizer.encode(item).ids
+            ids = encode(item, info, "prompt", add_special_tokens=True)
             out.append((_check_ids(ids, info, "prompt"), item))
         else:
             out.append((_check_ids(list(item), info, "prompt"), None))
@@ -150,5 +197,5 @@ def chat_prompt(req: ChatCompletionRequest, info: ModelInfo) -> tuple[list[int],
                                          generation, **kwargs)
     except ChatTemplateError as err:
         raise bad_request(str(err), "messages") from None
-    ids = info.tokenizer.encode(text, add_special_tokens=False).ids
+    ids = encode(text, info, "messages", add_special_tokens=False)
     return _check_ids(ids, info, "messages"), text

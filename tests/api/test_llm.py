@@ -61,7 +61,7 @@ def _mixed_batch(rank: int) -> dict:
         params = [
             SamplingParams(max_tokens=20, temperature=0),
             SamplingParams(max_tokens=20, temperature=0.9, seed=11),
-            SamplingParams(max_tokens=12, temperature=0.7, top_k=20, seed=3),
+            SamplingParams(max_tokens=12, temperature=0.7, top_k=20, seed=-3),  # any int
             SamplingParams(max_tokens=20, temperature=1.0, top_p=0.8, seed=5),
             SamplingParams(max_tokens=20, temperature=0.9, seed=11, stop=["\n\n"]),
             SamplingParams(max_tokens=20, temperature=0, stop=[stop]),

@@ -230,11 +230,11 @@ def test_resume_refuses_a_file_that_is_no_output_of_this_job(tiny, tmp_path, cap
     # metrics after the whole job ran
     (["--output", "/proc/x.jsonl"], "--output=/proc/x.jsonl: cannot write there"),
     (["--metrics-json", "/proc/m.json"], "--metrics-json=/proc/m.json: cannot write there"),
-    (["--prompts", "{seed}"], "line 1: seed=-1: must be a non-negative integer"),
+    (["--prompts", "{seed}"], "line 1: seed=1.5: must be an integer or null"),
 ])
 def test_bad_values_that_were_tracebacks(tiny, tmp_path, capsys, argv, needle):
     """Each of these ended in a traceback, exit 1 (the folders after the whole job ran)."""
-    seed = write_prompts(tmp_path / "s.jsonl", [{"input_ids": [3, 4], "seed": -1}])
+    seed = write_prompts(tmp_path / "s.jsonl", [{"input_ids": [3, 4], "seed": 1.5}])
     ok = write_prompts(tmp_path / "ok.jsonl", [{"input_ids": [3, 4]}])
     argv = [a.format(tmp=tmp_path, seed=seed) for a in argv]
     prompts = [] if "--prompts" in argv else ["--prompts", str(ok)]

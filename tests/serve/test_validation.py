@@ -5,6 +5,8 @@ The same requests against a real torchrun server: test_server.py."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from chat_assets import EMBEDDED
 from fastapi.testclient import TestClient
@@ -16,11 +18,12 @@ from dspark_launch.serve.metrics import ServerMetrics
 from dspark_launch.serve.requests import ModelInfo
 
 CONTEXT = 64
+TOK = Tokenizer.from_file(str(EMBEDDED / "tokenizer.json"))
 
 
 @pytest.fixture(scope="module")
 def client():
-    info = ModelInfo(name="tiny", tokenizer=Tokenizer.from_file(str(EMBEDDED / "tokenizer.json")),
+    info = ModelInfo(name="tiny", tokenizer=TOK,
                      vocab_size=2048, context_limit=CONTEXT, defaults={"temperature": 0.0},
                      chat_template=None, model_dir=str(EMBEDDED))
     bridge = RequestBridge(max_queued=4)
@@ -65,6 +68,12 @@ BAD = [
                               "tool_choice": "required"}, 400, "tool_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/completions", b'{"prompt": "\\ud800abc"}', 400, "prompt"),  # a lone surrogate
+    ("/v1/completions", {"prompt": ["a"] * 5}, 400, "prompt"),  # more than max_queued: no
+    # retry would get it through
+    ("/v1/completions", {"prompt": "a", "max_tokens": CONTEXT}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400,
      "messages.0.content"),
@@ -81,6 +90,56 @@ def test_bad_request_is_refused_naming_the_field(client, path, body, status, par
     assert err["param"] == param and err["message"]
     if param is not None:
         assert param.split(".")[0] in err["message"]
+
+
+def test_refusals_say_what_is_accepted(client):
+    def said(body: dict) -> str:
+        r = client.post("/v1/completions", content=json.dumps(body),  # lone surrogates
+                        headers={"content-type": "application/json"})  # escaped
+        assert r.status_code == 400, r.text
+        return r.json()["error"]["message"]
+
+    # A float field given a string: the union's int branch said "a valid integer".
+    assert said({"prompt": "a", "temperature": "0.5"}) == \
+        "temperature='0.5': Input should be a valid number"
+    assert said({"prompt": "a", "max_tokens": CONTEXT}).endswith(
+        f"the context holds {CONTEXT} tokens (prompt + output): ask for at most "
+        f"{CONTEXT - len(TOK.encode('a').ids)} new tokens, or shorten the prompt")
+    assert said({"prompt": "a\ud800"}).startswith("prompt holds '\\ud800' at character 1")
+    # Refused by its length in characters, before the tokenizer (which holds the GIL for
+    # seconds on megabytes, stopping every other request): not tokenized at all.
+    assert said({"prompt": "x" * 10**7}) == (f"prompt is {10**7} characters, more than the "
+                                              f"context of {CONTEXT} tokens can hold")
+
+
+def test_a_prompt_at_the_character_bound_can_fit():
+    """The bound is sound: a text of max_prompt_chars characters made of the vocabulary's
+    longest entry is at most CONTEXT tokens."""
+    info = ModelInfo(name="tiny", tokenizer=TOK, vocab_size=2048, context_limit=CONTEXT,
+                     defaults={}, chat_template=None, model_dir=str(EMBEDDED))
+    longest = max(TOK.get_vocab(), key=len)
+    text = TOK.decode([TOK.token_to_id(longest)]) * CONTEXT
+    assert len(text) <= info.max_prompt_chars
+    assert len(TOK.encode(text).ids) <= CONTEXT + 1  # and a BOS where the tokenizer adds one
+
+
+def test_a_stream_the_server_stops_under_ends_at_its_error():
+    """The error was followed by a usage chunk and data: [DONE], a normal-looking end."""
+    import threading
+
+    from dspark_launch.serve.errors import server_stopped
+
+    bridge = RequestBridge()
+    info = ModelInfo(name="tiny", tokenizer=TOK, vocab_size=2048, context_limit=CONTEXT,
+                     defaults={}, chat_template=None, model_dir=str(EMBEDDED))
+    app = build_app(info, bridge, ServerMetrics("tiny"), lambda: True)
+    bridge.admit = lambda _: threading.Timer(
+        0.2, lambda: bridge.fail_open(server_stopped("a second stop signal"))).start()
+    bridge.cancel = lambda _: None
+    with TestClient(app).stream("POST", "/v1/completions", json={
+            "prompt": "a", "stream": True, "stream_options": {"include_usage": True}}) as r:
+        events = [line for line in r.iter_lines() if line]
+    assert len(events) == 1 and '"code": "server_stopped"' in events[0], events
 
 
 def test_chat_without_template_names_it(client):
