@@ -27,7 +27,7 @@ from pathlib import Path
 from dspark_launch.args import parse_bytes
 from dspark_launch.comm import ranks_by
 from dspark_launch.engine.build import EngineArgs, build_engine
-from dspark_launch.engine.params import SamplingParams
+from dspark_launch.engine.params import SamplingParams, not_unicode
 from dspark_launch.engine.request import RequestSpec
 from dspark_launch.errors import ConfigError
 from dspark_launch.outputs import CompletionOutput, OutputProcessor
@@ -45,6 +45,8 @@ from dspark_launch.parallel import (
 
 __all__ = ["LLM", "SamplingParams", "CompletionOutput", "NotSPMD"]
 
+DEFAULT_DIST_TIMEOUT_S = 300.0
+DEVICES = ("auto", "cpu", "cuda")  # the CLI's --device choices
 # Gloo keeps a timeout in signed 64-bit microseconds: past this, init_process_group refuses it.
 MAX_DIST_TIMEOUT_S = float((2**63 - 1) // 10**6)
 
@@ -87,19 +89,25 @@ class LLM:
 
     def __init__(self, model: str | None = None, draft: str | None = None, *,
                  tp_size: int | None = None, attn_dp_size: int = 1,
-                 dist_timeout: float = 300.0, **engine_args) -> None:
+                 dist_timeout: float = DEFAULT_DIST_TIMEOUT_S, **engine_args) -> None:
         """`engine_args` are EngineArgs fields (speculative_algorithm, block_size, dtype,
         device, kv_cache_memory ("256MiB" or bytes), max_running_requests, seed, ...)."""
         begin_runtime()  # first: counted on every rank, whatever fails below
-        known = {f.name for f in fields(EngineArgs)}
-        unknown = sorted(set(engine_args) - known)
-        if unknown:
-            raise TypeError(f"LLM() got unknown arguments {unknown}; accepted: {sorted(known)}")
-        if isinstance(engine_args.get("kv_cache_memory"), str):
-            engine_args["kv_cache_memory"] = parse_bytes(engine_args["kv_cache_memory"],
-                                                         "kv_cache_memory")
-        _check_topology(tp_size, attn_dp_size, dist_timeout)
         self._owns_runtime = False
+        device = engine_args.get("device", "auto")
+        try:
+            _check_arguments(engine_args, tp_size, attn_dp_size, dist_timeout)
+            refused = None
+        except (ConfigError, TypeError, ValueError) as err:  # agree()'s, below
+            # Said at the check-in, as a refusal after the join is: a peer left waiting
+            # dist_timeout for a rank that raised here (and caught it) waited 300 s by default.
+            # The join takes the defaults for what it cannot use.
+            refused = err
+            if _world_size() == 1:
+                raise
+            tp_size, attn_dp_size = None, 1
+            dist_timeout = dist_timeout if _timeout_ok(dist_timeout) else DEFAULT_DIST_TIMEOUT_S
+            device = device if device in DEVICES and _device_ok(device) else "auto"
         self._dist_timeout = float(dist_timeout)
         if LLM.live is not None and LLM.live() is not None:
             gc.collect()  # an LLM dropped in a reference cycle is not running
@@ -121,6 +129,8 @@ class LLM:
             mismatched collectives (a hang, or gloo's abort) instead of being named."""
             error = None
             try:
+                if refused is not None:
+                    raise refused
                 self.args = EngineArgs(model=model, draft=draft, **engine_args)
                 asked = {"model": model, "draft": draft, "tp_size": world,
                          "attn_dp_size": attn_dp_size, "dist_timeout": self._dist_timeout,
@@ -133,8 +143,7 @@ class LLM:
 
         try:
             if not is_initialized():
-                init_parallel_runtime(_Topology(world, attn_dp_size,
-                                                engine_args.get("device", "auto"),
+                init_parallel_runtime(_Topology(world, attn_dp_size, device,
                                                 self._dist_timeout), joined=agree)
                 self._owns_runtime = LLM._made_runtime = True
             else:
@@ -268,6 +277,8 @@ class LLM:
                 if self.tokenizer is None:
                     raise ValueError(f"prompt {i} is text but the checkpoint has no "
                                      f"tokenizer.json; pass token ids")
+                if why := not_unicode(p):
+                    raise ValueError(f"prompt {i} {why}")
                 ids.append(self.tokenizer.encode(p).ids)  # with a BOS where it adds one,
                 # as the CLI job and the server's completions
                 texts.append(p)
@@ -314,21 +325,45 @@ class LLM:
         self.shutdown()
 
 
-def _check_topology(tp_size, attn_dp_size, dist_timeout) -> None:
-    """The arguments init_parallel_runtime reads, checked as the CLI checks its flags."""
+def _check_arguments(engine_args: dict, tp_size, attn_dp_size, dist_timeout) -> None:
+    """What LLM() can refuse before it joins the world: unknown arguments, and those
+    init_parallel_runtime reads, checked as the CLI checks its flags (kv_cache_memory given
+    as text is parsed in place)."""
+    known = {f.name for f in fields(EngineArgs)}
+    unknown = sorted(set(engine_args) - known)
+    if unknown:
+        raise TypeError(f"LLM() got unknown arguments {unknown}; accepted: {sorted(known)}")
+    if isinstance(engine_args.get("kv_cache_memory"), str):
+        engine_args["kv_cache_memory"] = parse_bytes(engine_args["kv_cache_memory"],
+                                                     "kv_cache_memory")
     if tp_size is not None and (not _is_id(tp_size) or tp_size < 1):
         raise ValueError(f"tp_size={tp_size!r}: expected a whole number >= 1, or None (every "
                          f"rank of the world)")
     if not _is_id(attn_dp_size) or attn_dp_size < 1:
         raise ValueError(f"attn_dp_size={attn_dp_size!r}: expected a whole number >= 1")
-    try:
-        ok = isinstance(dist_timeout, numbers.Real) and not isinstance(dist_timeout, bool) \
-            and 0 < float(dist_timeout) <= MAX_DIST_TIMEOUT_S
-    except OverflowError:  # an int past float's range
-        ok = False
-    if not ok:
+    if not _timeout_ok(dist_timeout):
         raise ValueError(f"dist_timeout={dist_timeout!r}: expected a finite number of seconds "
                          f"> 0 (at most {MAX_DIST_TIMEOUT_S:g})")
+    device = engine_args.get("device", "auto")
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r}: expected one of {', '.join(map(repr, DEVICES))}")
+    if not _device_ok(device):
+        raise ValueError(f"device={device!r}: this torch sees no CUDA device; use 'cpu' or "
+                         f"'auto'")
+
+
+def _timeout_ok(dist_timeout) -> bool:
+    try:
+        return isinstance(dist_timeout, numbers.Real) and not isinstance(dist_timeout, bool) \
+            and 0 < float(dist_timeout) <= MAX_DIST_TIMEOUT_S
+    except OverflowError:  # an int past float's range
+        return False
+
+
+def _device_ok(device: str) -> bool:
+    import torch
+
+    return device != "cuda" or torch.cuda.is_available()
 
 
 def _asked_params(params: list[SamplingParams]) -> dict:

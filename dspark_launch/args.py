@@ -7,6 +7,7 @@ nowhere else; everything downstream reads `attn_dp_size`.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from dataclasses import dataclass, field
@@ -37,7 +38,10 @@ def parse_bytes(text: str, flag: str = "--kv-cache-memory") -> int:
             f"{flag}={text!r} is not a size; use bytes or a number with a unit "
             f"(e.g. 536870912, 512MiB, 2GiB, 1.5GB)"
         )
-    value = int(float(match.group(1)) * _UNITS[unit])
+    size = float(match.group(1)) * _UNITS[unit]
+    if not math.isfinite(size):  # '1e400 GiB' written out: int() of it raised OverflowError
+        raise ConfigError(f"{flag}={text!r} is past any memory; give a size such as 512MiB")
+    value = int(size)
     if value <= 0:
         raise ConfigError(f"{flag}={text!r} is {value} bytes; give one byte or more (e.g. "
                           f"512MiB)")

@@ -10,7 +10,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dspark_launch.engine.params import ParamError, SamplingParams, outside_vocab, refusal
+from dspark_launch.engine.params import (
+    ParamError,
+    SamplingParams,
+    not_unicode,
+    outside_vocab,
+    refusal,
+)
 from dspark_launch.engine.request import RequestSpec
 from dspark_launch.errors import ConfigError
 from dspark_launch.log import logger
@@ -119,6 +125,8 @@ def build_specs(
             if tokenizer is None:
                 raise ConfigError(f"{where}: a text prompt needs the checkpoint's "
                                   f"tokenizer.json (or give input_ids)")
+            if why := not_unicode(text):
+                raise ConfigError(f"{where}: prompt {why}")
             ids = tokenizer.encode(text).ids if text else []
         try:
             params = SamplingParams(max_tokens=mnt, **{

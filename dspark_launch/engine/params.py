@@ -96,6 +96,18 @@ class SamplingParams:
         return replace(self, **changes) if changes else self
 
 
+def not_unicode(text: str) -> str | None:
+    """Why `text` is no text a tokenizer takes, or None: a lone UTF-16 surrogate (JSON's
+    "\\ud800" and Python strings allow one; the tokenizer raised a TypeError naming neither
+    the prompt nor the character)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return (f"holds {text[err.start]!r} at character {err.start}, a lone surrogate (not "
+                f"Unicode text): send valid UTF-16 pairs or the character itself")
+    return None
+
+
 def outside_vocab(ids, vocab_size: int) -> list[int]:
     """The ids among `ids` that are no token of a vocabulary of `vocab_size`."""
     return [t for t in ids if not 0 <= t < vocab_size]

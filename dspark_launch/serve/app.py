@@ -142,7 +142,7 @@ class Handlers:
         req = await parse(request, p.CompletionRequest)
         check_model(req.model, self.info)
         params = sampling_params(req, self.info, req.max_tokens)
-        prompts = completion_prompts(req, self.info)
+        prompts = await asyncio.to_thread(completion_prompts, req, self.info)  # tokenizes
         if req.max_tokens is not None:  # else the default, cut to what fits
             for ids, _ in prompts:
                 check_room(ids, params.max_tokens, self.info, "prompt", "max_tokens")
@@ -182,7 +182,7 @@ class Handlers:
             else "max_tokens"
         max_tokens = getattr(req, name)
         params = sampling_params(req, self.info, max_tokens, name)
-        ids, text = chat_prompt(req, self.info)
+        ids, text = await asyncio.to_thread(chat_prompt, req, self.info)  # renders, tokenizes
         if max_tokens is not None:
             check_room(ids, params.max_tokens, self.info, "messages", name)
         rid, created, model = p.new_id("chatcmpl"), p.now(), self.info.name

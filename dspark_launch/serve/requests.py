@@ -9,7 +9,12 @@ import json
 from dataclasses import dataclass
 from functools import cached_property
 
-from dspark_launch.engine.params import ParamError, SamplingParams, outside_vocab
+from dspark_launch.engine.params import (
+    ParamError,
+    SamplingParams,
+    not_unicode,
+    outside_vocab,
+)
 from dspark_launch.serve.chat import ChatTemplate, ChatTemplateError
 from dspark_launch.serve.errors import APIError, bad_request, model_not_found
 from dspark_launch.serve.protocol import (
@@ -34,17 +39,46 @@ class ModelInfo:
 
     @cached_property
     def max_prompt_chars(self) -> int | None:
-        """Characters beyond which a text cannot fit the context, known without tokenizing
-        it: a token covers at most as many characters as its vocabulary entry has (bytes in
-        byte-level BPE), and a normalizer folds at most a few into one (NFC composes a letter
-        and its marks). The tokenizer holds the GIL while it works: an 8 MB prompt stopped
-        every other request and /health for 7 s before its 400. None: a tokenizer without a
-        vocabulary to read."""
+        """Characters past which a text cannot fit the context, known without tokenizing it
+        (a 10 MB prompt took 19 s of CPU and 1.6 GiB for its 4M tokens before its 400), where
+        the tokenizer drops no character: then a token covers at most as many characters as
+        its vocabulary entry has (bytes in byte-level BPE), and a Unicode normalizer folds at
+        most a few into one (NFC composes a letter and its marks). None (no bound) for a
+        tokenizer that may drop or merge text (whitespace-removing pre-tokenizers, Strip or
+        Replace normalizers, stripping added tokens, merged unknowns)."""
         try:
+            spec = json.loads(self.tokenizer.to_str())
             longest = max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)))
         except AttributeError:
             return None
-        return self.context_limit * longest * (1 if self.tokenizer.normalizer is None else 4)
+        if not _keeps_characters(spec):
+            return None
+        return self.context_limit * longest * (1 if spec.get("normalizer") is None else 4)
+
+
+# Tokenizer parts that keep every character of the text in some token.
+KEEPING_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Prepend", "Sequence"}
+KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Split", "Digits", "Punctuation",
+                          "Sequence"}
+
+
+def _keeps_characters(spec: dict) -> bool:
+    """Whether a tokenizer.json maps every character of a text into some token."""
+    def parts(node: dict | None, key: str) -> list[dict]:
+        if node is None:
+            return []
+        return [p for child in node.get(key, []) for p in parts(child, key)] \
+            if node["type"] == "Sequence" else [node]
+
+    normalizers = parts(spec.get("normalizer"), "normalizers")
+    pre = parts(spec.get("pre_tokenizer"), "pretokenizers")
+    model = spec.get("model") or {}
+    byte_level = any(p["type"] == "ByteLevel" for p in pre)
+    return (all(n["type"] in KEEPING_NORMALIZERS for n in normalizers)
+            and all(p["type"] in KEEPING_PRE_TOKENIZERS
+                    and p.get("behavior", "Isolated") != "Removed" for p in pre)
+            and not any(t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens", []))
+            and model.get("type") == "BPE" and (byte_level or model.get("byte_fallback")))
 
 
 # Fields this server does not implement, and the values that leave them off. Set otherwise,
@@ -131,18 +165,16 @@ def check_room(ids: list[int], max_tokens: int, info: ModelInfo, param: str,
 
 
 def encode(text: str, info: ModelInfo, param: str, add_special_tokens: bool) -> list[int]:
-    """A prompt's token ids; what the tokenizer would refuse with an exception (a lone
-    surrogate: JSON allows "\\ud800") or takes seconds to find too long is refused first."""
+    """A prompt's token ids; a text the tokenizer would raise on (a lone surrogate) is a 400.
+    Runs off the event loop (app.py: asyncio.to_thread) and through encode_batch, which lets
+    go of the GIL while it works (encode holds it: an 8 MB prompt stalled every other request
+    and /health for 7 s before its 400)."""
     if info.max_prompt_chars is not None and len(text) > info.max_prompt_chars:
         raise bad_request(f"{param} is {len(text)} characters, more than the context of "
                           f"{info.context_limit} tokens can hold", param)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise bad_request(f"{param} holds {text[err.start]!r} at character {err.start}, "
-                          f"which is not Unicode text (a lone surrogate); send valid "
-                          f"UTF-16 pairs or the character itself", param) from None
-    return info.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+    if why := not_unicode(text):
+        raise bad_request(f"{param} {why}", param)
+    return info.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 def completion_prompts(req: CompletionRequest, info: ModelInfo

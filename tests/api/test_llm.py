@@ -127,7 +127,7 @@ def _stops_and_edges(rank: int) -> dict:
         out["views"] = views
         vocab = llm.engine.target.config.vocab_size
         out["refused"] = []
-        for bad in ([prompt], [[vocab + 1, 5]]):
+        for bad in ([prompt], [[vocab + 1, 5]], ["a\ud800"]):
             sp = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[vocab + 5]) \
                 if bad == [prompt] else greedy
             try:
@@ -181,7 +181,9 @@ def test_stop_tokens_extreme_sampling_values_bad_ids_and_bad_engines():
     vocab = r["vocab"]
     assert r["refused"] == [
         f"prompt 0: stop_token_ids [{vocab + 5}] outside the vocabulary [0, {vocab})",
-        f"prompt 0: prompt token ids [{vocab + 1}] outside the vocabulary [0, {vocab})"]
+        f"prompt 0: prompt token ids [{vocab + 1}] outside the vocabulary [0, {vocab})",
+        "prompt 0 holds '\\ud800' at character 1, a lone surrogate (not Unicode text): send "
+        "valid UTF-16 pairs or the character itself"]  # was the tokenizer's TypeError
     assert r["after"] == ids
     assert r["second"] == ("an LLM is already running in this process; shutdown() it first "
                            "(one engine per process)")

@@ -18,7 +18,6 @@ ARGS = {"kv_cache_memory": "64MiB", "device": "cpu", "speculative_policy": "fixe
 
 
 def _misuse(rank: int) -> dict:
-    import contextlib
     import gc
     import time
 
@@ -71,17 +70,25 @@ def _misuse(rank: int) -> dict:
             llm.generate(prompts[0], greedy)
         except RuntimeError as err:
             out["after late"] = str(err)
-    # One rank's arguments refused before it joins (a bad value), then one refused after
-    # (EngineArgs: chunked_prefill_size=0), then the right call.
-    if rank == 1:
-        with contextlib.suppress(ValueError):
-            LLM(dist_timeout=3, tp_size=0, **ARGS)
-    else:
-        refused("never joined", lambda: LLM(dist_timeout=3, **ARGS))
+    # One rank's arguments refused before it could join (a bad value: it still checks in
+    # with its refusal, so its peer need not wait dist_timeout for it), then one refused
+    # after (EngineArgs: chunked_prefill_size=0), then the right call.
+    t0 = time.monotonic()
+    refused("refused before joining", lambda: LLM(dist_timeout=60, tp_size=0 if rank else None,
+                                                  **ARGS))
+    refused("memory refused before joining", lambda: LLM(
+        dist_timeout=60, **{**ARGS, "kv_cache_memory": "lots" if rank else "64MiB"}))
+    out["refused in"] = time.monotonic() - t0
     refused("one rank refused", lambda: LLM(dist_timeout=20, chunked_prefill_size=1 - rank,
                                             **ARGS))
     with LLM(dist_timeout=20, **ARGS) as llm:
         out["retried"] = llm.generate(prompts[0], greedy)[0].token_ids
+    # Last (the ranks' runtime counts part here): a rank refusing an argument alone keeps
+    # the dist_timeout it was given for its check-in, not the default 300 s.
+    if rank == 1:
+        t0 = time.monotonic()
+        refused("alone", lambda: LLM(dist_timeout=2, tp_size=0, **ARGS))
+        out["alone in"] = time.monotonic() - t0
     return out
 
 
@@ -123,8 +130,17 @@ def test_ranks_asked_different_things_are_named_and_stay_in_step():
     # still meets its peers (each LLM() a runtime of its own on every rank).
     assert r0["said"]["one rank refused"].startswith("LLM() differs across ranks (error: "
                                                      "rank(s) [0] none, rank(s) [1] \"Config")
-    assert r0["said"]["never joined"].startswith("rank(s) [1] of 2 did not join within "
-                                                 "dist_timeout=3 s: LLM() and generate() are")
+    assert r0["said"]["refused before joining"] == r1["said"]["refused before joining"]
+    assert r0["said"]["refused before joining"].startswith(
+        "LLM() differs across ranks (error: rank(s) [0] none, rank(s) [1] \"ValueError: "
+        "tp_size=0: expected a whole number >= 1")
+    assert r0["said"]["memory refused before joining"].startswith(
+        "LLM() differs across ranks (error: rank(s) [0] none, rank(s) [1] \"ConfigError: "
+        "kv_cache_memory='lots'")
+    assert r0["refused in"] < 30  # not dist_timeout=60 twice
+    assert r1["said"]["alone"].startswith("rank(s) [0] of 2 did not join within "
+                                          "dist_timeout=2 s")
+    assert r1["alone in"] < 30
     assert r0["retried"] == r1["retried"] == r0["right"]
 
 
@@ -133,12 +149,26 @@ def test_ranks_asked_different_things_are_named_and_stay_in_step():
     ({"dist_timeout": -5}, "dist_timeout=-5"), ({"dist_timeout": "300"}, "dist_timeout='300'"),
     ({"dist_timeout": math.nan}, "dist_timeout=nan"), ({"dist_timeout": 1e14}, "dist_timeout=1"),
     ({"dist_timeout": 10**400}, "dist_timeout=1000"), ({"dist_timeout": 1e13}, "dist_timeout=1"),
+    ({"device": "gpu"}, "device='gpu': expected one of 'auto', 'cpu', 'cuda'"),
+    ({"kv_cache_memory": "1" + "0" * 400 + "GiB"}, "kv_cache_memory='1000"),  # OverflowError
 ])
 def test_bad_topology_arguments_are_named(kw, named):
     from dspark_launch import LLM
+    from dspark_launch.errors import ConfigError
 
-    with pytest.raises(ValueError, match=named.replace("(", r"\(")):
-        LLM(**kw, **ARGS)
+    with pytest.raises((ValueError, ConfigError), match=named.replace("(", r"\(")):
+        LLM(**{**ARGS, **kw})
+
+
+def test_cuda_asked_where_torch_sees_none_is_named():
+    import torch
+
+    from dspark_launch import LLM
+
+    if torch.cuda.is_available():
+        pytest.skip("this torch sees a CUDA device")
+    with pytest.raises(ValueError, match="device='cuda': this torch sees no CUDA device"):
+        LLM(**{**ARGS, "device": "cuda"})
 
 
 def _interrupted_on_one_rank(rank: int) -> dict:

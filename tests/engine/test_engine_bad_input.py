@@ -331,3 +331,19 @@ def test_a_dangling_link_as_output_is_left_as_it_is(tmp_path):
             assert "cannot write there" in str(writable(JobArgs(output=str(ro / "o.jsonl"))))
     finally:
         ro.chmod(0o700)
+
+
+def test_a_prompt_line_with_a_lone_surrogate_is_named():
+    """JSON's "\\ud800" reads as a lone surrogate, which the tokenizer refused with a
+    TypeError naming neither the line nor the character (a traceback, exit 1)."""
+    from tokenizers import Tokenizer
+
+    from dspark_launch.engine.build import ASSETS
+    from dspark_launch.engine.inputs import build_specs
+    from dspark_launch.errors import ConfigError
+
+    tok = Tokenizer.from_file(str(ASSETS / "target" / "tokenizer.json"))
+    rows = [{"prompt": "ok", "_line": 1}, {"prompt": "a\ud800", "_line": 2}]
+    with pytest.raises(ConfigError, match=r"^--prompts line 2: prompt holds '\\ud800' at "
+                                          r"character 1, a lone surrogate"):
+        build_specs(rows, tok, 4, 0.0, 2048, 2048)
