@@ -127,7 +127,8 @@ def sampling_params(req: SamplingFields, info: ModelInfo, max_tokens: int | None
         if err.param == "max_tokens":
             raise bad_request(max_tokens_name + str(err).removeprefix("max_tokens"),
                               max_tokens_name) from None
-        raise bad_request(str(err), err.param) from None
+        raise bad_request(str(err).replace("max_tokens=", f"{max_tokens_name}="),
+                          err.param) from None  # min_tokens' range names it too
     if bad := outside_vocab(params.stop_token_ids, info.vocab_size):
         raise bad_request(f"stop_token_ids holds token ids {bad[:5]} outside the vocabulary "
                           f"[0, {info.vocab_size})", "stop_token_ids")
@@ -223,6 +224,13 @@ def chat_prompt(req: ChatCompletionRequest, info: ModelInfo) -> tuple[list[int],
         raise bad_request("chat_template_kwargs may not set 'messages'; send them as messages",
                           "chat_template_kwargs")
     generation = kwargs.pop("add_generation_prompt", req.add_generation_prompt)
+    for i, m in enumerate(req.messages):  # named where the client wrote it, not at a
+        # position in the rendered text (encode's check)
+        texts = {f"messages[{i}].content": m.content} if isinstance(m.content, str) else {
+            f"messages[{i}].content[{j}].text": part.text for j, part in enumerate(m.content or [])}
+        for where, text in texts.items():
+            if why := not_unicode(text):
+                raise bad_request(f"{where} {why}", where)
     try:
         parts = info.chat_template.takes_parts
         text = info.chat_template.render([message(m, parts) for m in req.messages],

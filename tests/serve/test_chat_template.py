@@ -138,3 +138,24 @@ def test_takes_parts_only_where_a_loop_reads_the_content_itself():
     assert broken.takes_parts is False
     with pytest.raises(ChatTemplateError, match="the chat template failed"):
         broken.render([{"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize("content, named", [
+    ("ok \ud800", "messages[1].content"),
+    ([{"type": "text", "text": "ok"}, {"type": "text", "text": "\udfff"}],
+     "messages[1].content[1].text"),
+])
+def test_a_lone_surrogate_is_named_where_the_client_wrote_it(checkpoint, content, named):
+    """It was named at its position in the rendered template text ("messages holds ... at
+    character 57"), which the client never sent."""
+    from dspark_launch.serve.errors import APIError
+    from dspark_launch.serve.protocol import ChatCompletionRequest
+    from dspark_launch.serve.requests import chat_prompt
+
+    req = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "system", "content": "be brief"},
+                      {"role": "user", "content": content}]})
+    with pytest.raises(APIError) as err:
+        chat_prompt(req, _served(checkpoint))
+    assert err.value.param == named and err.value.status == 400
+    assert err.value.message.startswith(f"{named} holds ")

@@ -112,6 +112,15 @@ def test_refusals_say_what_is_accepted(client):
                                               f"context of {CONTEXT} tokens can hold")
 
 
+def test_chat_refusals_name_max_completion_tokens_as_sent(client):
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 3,
+        "min_tokens": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+    assert r.json()["error"]["message"] == ("min_tokens=5: must be an integer in [0, "
+                                            "max_completion_tokens=3]")
+
+
 def _info(tokenizer=TOK, context: int = CONTEXT) -> ModelInfo:
     return ModelInfo(name="tiny", tokenizer=tokenizer, vocab_size=2048, context_limit=context,
                      defaults={}, chat_template=None, model_dir=str(EMBEDDED))
