@@ -123,12 +123,10 @@ def sampling_params(req: SamplingFields, info: ModelInfo, max_tokens: int | None
     fields.setdefault("max_tokens", 16)  # OpenAI's default for completions
     try:
         params = SamplingParams(**fields)
-    except ParamError as err:
-        if err.param == "max_tokens":
-            raise bad_request(max_tokens_name + str(err).removeprefix("max_tokens"),
-                              max_tokens_name) from None
+    except ParamError as err:  # max_tokens named as sent, in min_tokens' range too
+        param = max_tokens_name if err.param == "max_tokens" else err.param
         raise bad_request(str(err).replace("max_tokens=", f"{max_tokens_name}="),
-                          err.param) from None  # min_tokens' range names it too
+                          param) from None
     if bad := outside_vocab(params.stop_token_ids, info.vocab_size):
         raise bad_request(f"stop_token_ids holds token ids {bad[:5]} outside the vocabulary "
                           f"[0, {info.vocab_size})", "stop_token_ids")
