@@ -94,6 +94,8 @@ class LLM:
         device, kv_cache_memory ("256MiB" or bytes), max_running_requests, seed, ...)."""
         begin_runtime()  # first: counted on every rank, whatever fails below
         self._owns_runtime = False
+        if "device" in engine_args:  # torch.device("cuda") as "cuda"
+            engine_args["device"] = _device_name(engine_args["device"])
         device = engine_args.get("device", "auto")
         try:
             _check_arguments(engine_args, tp_size, attn_dp_size, dist_timeout)
@@ -346,7 +348,10 @@ def _check_arguments(engine_args: dict, tp_size, attn_dp_size, dist_timeout) -> 
                          f"> 0 (at most {MAX_DIST_TIMEOUT_S:g})")
     device = engine_args.get("device", "auto")
     if device not in DEVICES:
-        raise ValueError(f"device={device!r}: expected one of {', '.join(map(repr, DEVICES))}")
+        # (each rank takes the GPU of its LOCAL_RANK: an index would pin every rank to one)
+        raise ValueError(f"device={device!r}: expected one of {', '.join(map(repr, DEVICES))} "
+                         f"(or torch.device('cpu') / torch.device('cuda'), without an index: "
+                         f"each rank takes cuda:LOCAL_RANK)")
     if not _device_ok(device):
         raise ValueError(f"device={device!r}: this torch sees no CUDA device; use 'cpu' or "
                          f"'auto'")
@@ -358,6 +363,15 @@ def _timeout_ok(dist_timeout) -> bool:
             and 0 < float(dist_timeout) <= MAX_DIST_TIMEOUT_S
     except OverflowError:  # an int past float's range
         return False
+
+
+def _device_name(device):
+    """A torch.device without an index as the name the CLI takes; anything else as given."""
+    import torch
+
+    if isinstance(device, torch.device) and device.index is None and device.type in DEVICES:
+        return device.type
+    return device
 
 
 def _device_ok(device: str) -> bool:

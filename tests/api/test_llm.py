@@ -55,7 +55,9 @@ def _mixed_batch(rank: int) -> dict:
     # Seeded draws are reproducible across batch compositions only at a fixed verify length:
     # the adaptive policy picks lengths from load, and a different length takes a different
     # (equally exact) path through rejection sampling.
-    with LLM(kv_cache_memory="64MiB", device="cpu", speculative_policy="fixed") as llm:
+    # A torch.device is taken by its name: the ranks agree though one wrote it as text.
+    device = "cpu" if rank == 0 else torch.device("cpu")
+    with LLM(kv_cache_memory="64MiB", device=device, speculative_policy="fixed") as llm:
         plain = llm.generate(prompts[5], SamplingParams(max_tokens=20, temperature=0))[0]
         stop = plain.text[len(plain.text) // 2:len(plain.text) // 2 + 5]
         params = [

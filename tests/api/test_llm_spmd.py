@@ -150,6 +150,8 @@ def test_ranks_asked_different_things_are_named_and_stay_in_step():
     ({"dist_timeout": math.nan}, "dist_timeout=nan"), ({"dist_timeout": 1e14}, "dist_timeout=1"),
     ({"dist_timeout": 10**400}, "dist_timeout=1000"), ({"dist_timeout": 1e13}, "dist_timeout=1"),
     ({"device": "gpu"}, "device='gpu': expected one of 'auto', 'cpu', 'cuda'"),
+    ({"device": "cuda:1"}, "device='cuda:1': expected .* without an index: each rank takes "
+                           "cuda:LOCAL_RANK"),
     ({"kv_cache_memory": "1" + "0" * 400 + "GiB"}, "kv_cache_memory='1000"),  # OverflowError
 ])
 def test_bad_topology_arguments_are_named(kw, named):
@@ -160,6 +162,16 @@ def test_bad_topology_arguments_are_named(kw, named):
         LLM(**{**ARGS, **kw})
 
 
+def test_a_torch_device_with_an_index_is_named():
+    import torch
+
+    from dspark_launch import LLM
+
+    with pytest.raises(ValueError, match=r"device=device\(type='cuda', index=1\): expected "
+                                         r"one of .* without an index"):
+        LLM(**{**ARGS, "device": torch.device("cuda", 1)})
+
+
 def test_cuda_asked_where_torch_sees_none_is_named():
     import torch
 
@@ -167,8 +179,9 @@ def test_cuda_asked_where_torch_sees_none_is_named():
 
     if torch.cuda.is_available():
         pytest.skip("this torch sees a CUDA device")
-    with pytest.raises(ValueError, match="device='cuda': this torch sees no CUDA device"):
-        LLM(**{**ARGS, "device": "cuda"})
+    for device in ("cuda", torch.device("cuda")):  # the same name
+        with pytest.raises(ValueError, match="device='cuda': this torch sees no CUDA device"):
+            LLM(**{**ARGS, "device": device})
 
 
 def _interrupted_on_one_rank(rank: int) -> dict:
