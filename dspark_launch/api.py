@@ -134,7 +134,8 @@ class LLM:
                 if refused is not None:
                     raise refused
                 self.args = EngineArgs(model=model, draft=draft, **engine_args)
-                asked = {"model": model, "draft": draft, "tp_size": world,
+                asked = {"model": _checkpoint(model), "draft": _checkpoint(draft),
+                         "tp_size": world,
                          "attn_dp_size": attn_dp_size, "dist_timeout": self._dist_timeout,
                          **{k: repr(v) for k, v in sorted(engine_args.items())}}
             except (ConfigError, TypeError, ValueError) as err:
@@ -400,6 +401,25 @@ def _asked_params(params: list[SamplingParams]) -> dict:
     if all(v == seen[0] for v in seen[1:]):
         return {f"sampling_params.{k}": v for k, v in seen[0].items()} if seen else {}
     return {"sampling_params": _digest(seen)}
+
+
+def _checkpoint(path) -> str | None:
+    """A checkpoint as the ranks compare it: what it holds, not where. Nodes may hold one
+    checkpoint at different paths, and one path on two nodes may hold different copies. What
+    it holds: config.json's bytes, and the names and sizes of its weights and json files (a
+    README one copy lacks changes nothing). A path that is no directory stays as given: the
+    engine names it."""
+    if path is None or not Path(path).is_dir():
+        return path
+    root = Path(path)
+    try:
+        files = sorted((f.name, f.stat().st_size) for f in root.iterdir()
+                       if f.suffix in (".safetensors", ".json") and f.is_file())
+        config = root / "config.json"
+        held = repr(files).encode() + (config.read_bytes() if config.is_file() else b"")
+    except OSError:  # unreadable here: the engine names it
+        return str(path)
+    return f"checkpoint {hashlib.sha256(held).hexdigest()[:16]} (config.json, weight sizes)"
 
 
 def _digest(value) -> str:

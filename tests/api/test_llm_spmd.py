@@ -9,15 +9,20 @@ rank was given (the message must name what differs, and on which ranks).
 from __future__ import annotations
 
 import math
+import re
+import shutil
+from pathlib import Path
 
 import pytest
 from multirank import run_world
 from references import heldout
 
+from dspark_launch.engine.build import ASSETS
+
 ARGS = {"kv_cache_memory": "64MiB", "device": "cpu", "speculative_policy": "fixed"}
 
 
-def _misuse(rank: int) -> dict:
+def _misuse(rank: int, tmp: str) -> dict:
     import gc
     import time
 
@@ -81,8 +86,23 @@ def _misuse(rank: int) -> dict:
     out["refused in"] = time.monotonic() - t0
     refused("one rank refused", lambda: LLM(dist_timeout=20, chunked_prefill_size=1 - rank,
                                             **ARGS))
-    with LLM(dist_timeout=20, **ARGS) as llm:
+    # Nodes may hold one checkpoint at different paths: the ranks compare what it holds.
+    copies = {}
+    for name in ("target", "dspark"):
+        copies[name] = Path(tmp) / f"rank{rank}" / name
+        copies[name].mkdir(parents=True)
+        for f in (ASSETS / name).iterdir():
+            (copies[name] / f.name).symlink_to(f)
+    with LLM(str(copies["target"]), str(copies["dspark"]), dist_timeout=20, **ARGS) as llm:
         out["retried"] = llm.generate(prompts[0], greedy)[0].token_ids
+    # ... and a copy that holds other weights is another checkpoint.
+    if rank == 1:
+        (copies["target"] / "model.safetensors").unlink()
+        shutil.copy(ASSETS / "target/model.safetensors", copies["target"])
+        with open(copies["target"] / "model.safetensors", "ab") as f:
+            f.write(b" ")
+    refused("other weights", lambda: LLM(str(copies["target"]), str(copies["dspark"]),
+                                         dist_timeout=20, **ARGS))
     # Last (the ranks' runtime counts part here): a rank refusing an argument alone keeps
     # the dist_timeout it was given for its check-in, not the default 300 s.
     if rank == 1:
@@ -92,8 +112,8 @@ def _misuse(rank: int) -> dict:
     return out
 
 
-def test_ranks_asked_different_things_are_named_and_stay_in_step():
-    results = run_world(2, _misuse, timeout=240)
+def test_ranks_asked_different_things_are_named_and_stay_in_step(tmp_path):
+    results = run_world(2, _misuse, str(tmp_path), timeout=240)
     for r in results:
         assert r["after"] == r["second"] == r["dp"] == r["right"]
         assert r["attn_dp"] == 2  # not the dropped LLM's topology
@@ -142,6 +162,10 @@ def test_ranks_asked_different_things_are_named_and_stay_in_step():
                                           "dist_timeout=2 s")
     assert r1["alone in"] < 30
     assert r0["retried"] == r1["retried"] == r0["right"]
+    assert r0["said"]["other weights"] == r1["said"]["other weights"]
+    assert re.match(r'LLM\(\) differs across ranks \(model: rank\(s\) \[0\] "checkpoint '
+                    r'[0-9a-f]{16} \(config.json, weight sizes\)", rank\(s\) \[1\] '
+                    r'"checkpoint [0-9a-f]{16} ', r0["said"]["other weights"])
 
 
 @pytest.mark.parametrize("kw, named", [
