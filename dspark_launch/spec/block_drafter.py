@@ -30,7 +30,7 @@ from dspark_launch.attention import build_metadata, upload
 from dspark_launch.memory.transients import DEFERRED_CONTEXT_ROWS
 from dspark_launch.models.layers.gemm import steady_clock
 from dspark_launch.spec.dspark_sampler import walk_block
-from dspark_launch.spec.keyed import DRAFT, uniforms
+from dspark_launch.spec.keyed import draft_purposes, uniforms
 from dspark_launch.spec.proposer import Proposal, Proposer
 from dspark_launch.spec.sampling import SamplingRows, draw, target_probs
 from dspark_launch.spec.transfer import to_host
@@ -90,7 +90,7 @@ class DFlashProposer(Proposer):
             return Proposal(self.target.greedy(flat).reshape(r, k), list(limits))
         slots = rows.repeat(k)  # row r*k + j: request r, its output position + j
         q = target_probs(self.target.logits(flat), slots)  # [R*K, V]
-        tokens = draw(q, uniforms(slots.keys, slots.positions, DRAFT))
+        tokens = draw(q, uniforms(slots.keys, slots.positions, draft_purposes(r, k, q.device)))
         return Proposal(tokens.reshape(r, k), list(limits), q.reshape(r, k, -1))
 
     def materialize(self, features, positions, rows, defer_from=None) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from dspark_launch.spec.keyed import DRAFT, uniforms
+from dspark_launch.spec.keyed import draft_purposes, uniforms
 from dspark_launch.spec.sampling import SamplingRows, draw, target_probs
 
 
@@ -76,7 +76,8 @@ def _sampled_walk(draft, lm_head, hidden: torch.Tensor, anchors: torch.Tensor,
     # the hash is ~20 small ops: drawn per slot, a batch-1 T=1 round at cap 8 took 9.49 ms
     # under cProfile, 8.90 ms hoisted, outputs identical).
     slots = rows.repeat(b)
-    u = uniforms(slots.keys, slots.positions, DRAFT).reshape(r, b)  # [R, B]
+    u = uniforms(slots.keys, slots.positions,
+                 draft_purposes(r, b, hidden.device)).reshape(r, b)  # [R, B]
     prev = anchors
     step = draft.markov_walk()
     state = draft.markov_state(r, hidden.device)  # reset every block

@@ -5,9 +5,15 @@ topology, the batch it shares, or how its rounds were cut by rejections and pree
 hash is murmur3's 32-bit finaliser written with int64 tensor ops, so CPU and CUDA give
 bit-identical draws.
 
-Reusing a (key, position, purpose) draw in a later round is lossless: a draw is reused only
-for a position that no earlier decision committed, and the event that discarded it (a
-rejection at an earlier position) did not depend on it.
+A position's accept and sample draws are reused in a later round only where no decision read
+them: the accept tests past a round's first rejection are computed and discarded, and the
+sample draw is read at the committed position only. A draft's draw is keyed by its slot in
+the block too, i.e. by the round's anchor, so a position drafted again after a rejection
+before it draws afresh. Reused, it would have been read already: DSpark's confidence for a
+slot reads the draft before it, a verify length cut by confidences (the cost model's arms, the
+threshold) depends on drafts past the rejection, and that length feeds the verify policy's
+records (rounds scored, step times), from which the next round's admission of the position's
+redrawn draft is decided: that decision must not depend on the draft's own draw.
 """
 
 from __future__ import annotations
@@ -15,8 +21,10 @@ from __future__ import annotations
 import torch
 
 MASK32 = 0xFFFFFFFF
-# Purposes: each position has one draw of each kind.
-DRAFT, ACCEPT, SAMPLE = 1, 2, 3
+# Purposes: each position has one accept and one sample draw; drafts have one per slot of the
+# block (purpose DRAFT + slot: draft_purposes).
+ACCEPT, SAMPLE = 2, 3
+DRAFT = 16
 
 
 def _fmix32(h: torch.Tensor) -> torch.Tensor:
@@ -36,6 +44,12 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
 def salt(purpose: int) -> int:
     """What a purpose mixes into the hash."""
     return (purpose * 0x632BE5AB) & MASK32
+
+
+def draft_purposes(n: int, k: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Salts of n draft blocks of k slots, row i*k + j: purpose DRAFT + j. -> [n*k] int64"""
+    slots = torch.arange(k, device=device, dtype=torch.int64).repeat(n)
+    return (slots + DRAFT) * 0x632BE5AB & MASK32  # salt(DRAFT + j)
 
 
 def uniforms(

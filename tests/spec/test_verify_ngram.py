@@ -10,7 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dspark_launch.spec.block_drafter import confident_length
-from dspark_launch.spec.keyed import ACCEPT, DRAFT, SAMPLE, request_key, salt, uniforms
+from dspark_launch.spec.keyed import (
+    ACCEPT,
+    DRAFT,
+    SAMPLE,
+    draft_purposes,
+    request_key,
+    salt,
+    uniforms,
+)
 from dspark_launch.spec.ngram import lookup
 from dspark_launch.spec.sampling import draw, probs_from_logits
 from dspark_launch.spec.verify import greedy_accept, rejection_accept
@@ -114,6 +122,26 @@ def test_keyed_uniforms_are_uniform_and_keyed():
     assert request_key(0, 3, None) != request_key(0, 4, None)
 
 
+def test_a_position_drafted_again_draws_afresh():
+    """A draft's draw is keyed by its slot in the block (the round's anchor) too: a position
+    drafted at slot 2 of one round, then at slot 0 of the next after a rejection before it,
+    draws an unrelated uniform (its first draw may have steered the policy's records, from
+    which the next round's admission of it is decided). No draft salt is an accept or sample
+    salt, and each slot's draws are uniform."""
+    n, k, anchor = 4000, 4, 50
+    keys = torch.tensor([request_key(0, i, None) for i in range(n)]).repeat_interleave(k)
+    salts = draft_purposes(n, k)
+    first = uniforms(keys, torch.arange(anchor, anchor + k).repeat(n), salts).reshape(n, k)
+    again = uniforms(keys, torch.arange(anchor + 2, anchor + 2 + k).repeat(n),
+                     salts).reshape(n, k)
+    assert bool((first[:, 2] != again[:, 0]).all())
+    assert abs(float(torch.corrcoef(torch.stack([first[:, 2], again[:, 0]]))[0, 1])) < 0.06
+    for j in range(k):
+        counts = torch.histc(first[:, j], bins=20, min=0, max=1)
+        assert chi2_pvalue(counts, torch.full((20,), 1 / 20)) > P_MIN
+    assert not set(draft_purposes(1, 64).tolist()) & {salt(ACCEPT), salt(SAMPLE)}
+
+
 def _murmur_uniform(key: int, position: int, purpose: int) -> float:
     """The keyed uniform in Python integers (no overflow anywhere): the oracle."""
     def fmix(h: int) -> int:
@@ -138,13 +166,15 @@ def test_keyed_uniforms_equal_python_integers():
     positions[:500] = torch.arange(500)  # real output positions are small
     keys[-4:] = torch.tensor([0, 1, 2**32 - 1, 2**31])
     positions[-4:] = torch.tensor([2**32 - 1, 2**32 - 2, 2**32 - 1, 0])
-    purposes = torch.randint(1, 4, (2000,), generator=gen)
+    kinds = (DRAFT + 3, ACCEPT, SAMPLE)  # (a draft block's slot 3)
+    picked = torch.randint(0, 3, (2000,), generator=gen)
     want = [[_murmur_uniform(k, p, purpose) for k, p in zip(keys.tolist(), positions.tolist())]
-            for purpose in (DRAFT, ACCEPT, SAMPLE)]
-    for purpose, expected in zip((DRAFT, ACCEPT, SAMPLE), want):
+            for purpose in kinds]
+    for purpose, expected in zip(kinds, want):
         assert uniforms(keys, positions, purpose).tolist() == expected
-    salts = torch.tensor([salt(int(x)) for x in purposes])
-    mixed = [want[int(x) - 1][i] for i, x in enumerate(purposes)]
+    salts = torch.tensor([salt(kinds[int(x)]) for x in picked])
+    mixed = [want[int(x)][i] for i, x in enumerate(picked)]
+    assert draft_purposes(1, 4)[3] == salt(DRAFT + 3)
     assert uniforms(keys, positions, salts).tolist() == mixed
     # Small positions in int32 (a product of two 32-bit values must not wrap at 32 bits).
     assert uniforms(keys[:500], positions[:500].to(torch.int32), SAMPLE).tolist() == want[2][:500]
