@@ -19,6 +19,7 @@ import hashlib
 import itertools
 import json
 import numbers
+import os
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -367,10 +368,12 @@ def _timeout_ok(dist_timeout) -> bool:
 
 
 def _device_name(device):
-    """A torch.device without an index as the name the CLI takes; anything else as given."""
+    """A torch.device as the name the CLI takes (cuda without an index: each rank takes its
+    LOCAL_RANK's); anything else as given."""
     import torch
 
-    if isinstance(device, torch.device) and device.index is None and device.type in DEVICES:
+    if isinstance(device, torch.device) and device.type in DEVICES and (
+            device.index is None or device.type == "cpu"):
         return device.type
     return device
 
@@ -403,23 +406,55 @@ def _asked_params(params: list[SamplingParams]) -> dict:
     return {"sampling_params": _digest(seen)}
 
 
+# The files of a checkpoint directory the engine reads, compared by their bytes (weights by
+# their headers and samples: _weights_digest).
+READ_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "chat_template.jinja", "calibration.json",
+              "model.safetensors.index.json")
+WEIGHT_SAMPLES = 3  # 64 KiB reads per weights file, spread over its tensor data
+SAMPLE_BYTES = 1 << 16
+MAX_HEADER = 100 << 20  # safetensors' own limit (a broken file's claimed length is no size)
+
+
 def _checkpoint(path) -> str | None:
     """A checkpoint as the ranks compare it: what it holds, not where. Nodes may hold one
-    checkpoint at different paths, and one path on two nodes may hold different copies. What
-    it holds: config.json's bytes, and the names and sizes of its weights and json files (a
-    README one copy lacks changes nothing). A path that is no directory stays as given: the
-    engine names it."""
-    if path is None or not Path(path).is_dir():
-        return path
-    root = Path(path)
+    checkpoint at different paths, and one path on two nodes may hold different copies (two
+    training steps' checkpoints have the same config, names and sizes). What it holds: the
+    bytes of the files the engine reads (READ_FILES), and of each weights file its size,
+    safetensors header (names, shapes, offsets) and a few samples of its data: different
+    weights differ there, and reading them costs a few short reads a file. Files the engine
+    does not read (a README, trainer_state.json) change nothing. A path this rank cannot
+    read as a directory stays as given (the engine names it)."""
+    if path is None:
+        return None
     try:
-        files = sorted((f.name, f.stat().st_size) for f in root.iterdir()
-                       if f.suffix in (".safetensors", ".json") and f.is_file())
-        config = root / "config.json"
-        held = repr(files).encode() + (config.read_bytes() if config.is_file() else b"")
-    except OSError:  # unreadable here: the engine names it
-        return str(path)
-    return f"checkpoint {hashlib.sha256(held).hexdigest()[:16]} (config.json, weight sizes)"
+        root = Path(path)
+        if not root.is_dir():
+            return os.fspath(path)
+        held = hashlib.sha256()
+        for name in READ_FILES:
+            if (root / name).is_file():
+                held.update(name.encode() + b"\0" + (root / name).read_bytes())
+        for weights in sorted(root.glob("*.safetensors")):
+            held.update(weights.name.encode() + b"\0" + _weights_digest(weights))
+    except (OSError, ValueError) as err:  # unreadable here (a permission, a stale handle)
+        return f"{os.fspath(path)} (unreadable: {err})"
+    return f"checkpoint {held.hexdigest()[:16]} (files the engine reads, weights sampled)"
+
+
+def _weights_digest(weights: Path) -> bytes:
+    """A safetensors file's size, header and WEIGHT_SAMPLES reads spread over its data."""
+    with open(weights, "rb") as f:
+        size = f.seek(0, 2)
+        f.seek(0)
+        head = f.read(8)
+        header = f.read(min(int.from_bytes(head.ljust(8, b"\0"), "little"), MAX_HEADER))
+        begin = f.tell()
+        samples = []
+        for k in range(WEIGHT_SAMPLES):
+            f.seek(begin + (size - begin) * k // WEIGHT_SAMPLES)
+            samples.append(f.read(SAMPLE_BYTES))
+    return hashlib.sha256(str(size).encode() + head + header + b"".join(samples)).digest()
 
 
 def _digest(value) -> str:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import math
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 from multirank import run_world
 from references import heldout
+from safetensors.torch import load_file, save_file
 
 from dspark_launch.engine.build import ASSETS
 
@@ -86,21 +86,26 @@ def _misuse(rank: int, tmp: str) -> dict:
     out["refused in"] = time.monotonic() - t0
     refused("one rank refused", lambda: LLM(dist_timeout=20, chunked_prefill_size=1 - rank,
                                             **ARGS))
-    # Nodes may hold one checkpoint at different paths: the ranks compare what it holds.
+    # Nodes may hold one checkpoint at different paths: the ranks compare what it holds (a
+    # file the engine does not read, on one rank only, changes nothing).
     copies = {}
     for name in ("target", "dspark"):
         copies[name] = Path(tmp) / f"rank{rank}" / name
         copies[name].mkdir(parents=True)
         for f in (ASSETS / name).iterdir():
             (copies[name] / f.name).symlink_to(f)
-    with LLM(str(copies["target"]), str(copies["dspark"]), dist_timeout=20, **ARGS) as llm:
-        out["retried"] = llm.generate(prompts[0], greedy)[0].token_ids
-    # ... and a copy that holds other weights is another checkpoint.
     if rank == 1:
-        (copies["target"] / "model.safetensors").unlink()
-        shutil.copy(ASSETS / "target/model.safetensors", copies["target"])
-        with open(copies["target"] / "model.safetensors", "ab") as f:
-            f.write(b" ")
+        (copies["target"] / "trainer_state.json").write_text("{}")
+    with LLM(str(copies["target"]), Path(copies["dspark"]), dist_timeout=20, **ARGS) as llm:
+        out["retried"] = llm.generate(prompts[0], greedy)[0].token_ids
+    # ... and a copy that holds other weights of the same shapes (another training step's:
+    # the same config, names and sizes) is another checkpoint.
+    if rank == 1:
+        weights = copies["target"] / "model.safetensors"
+        tensors = load_file(weights)
+        weights.unlink()
+        save_file({k: v * 1.01 for k, v in tensors.items()}, weights, metadata={"format": "pt"})
+        assert weights.stat().st_size == (ASSETS / "target/model.safetensors").stat().st_size
     refused("other weights", lambda: LLM(str(copies["target"]), str(copies["dspark"]),
                                          dist_timeout=20, **ARGS))
     # Last (the ranks' runtime counts part here): a rank refusing an argument alone keeps
@@ -164,7 +169,7 @@ def test_ranks_asked_different_things_are_named_and_stay_in_step(tmp_path):
     assert r0["retried"] == r1["retried"] == r0["right"]
     assert r0["said"]["other weights"] == r1["said"]["other weights"]
     assert re.match(r'LLM\(\) differs across ranks \(model: rank\(s\) \[0\] "checkpoint '
-                    r'[0-9a-f]{16} \(config.json, weight sizes\)", rank\(s\) \[1\] '
+                    r'[0-9a-f]{16} \(files the engine reads, weights sampled\)", rank\(s\) \[1\] '
                     r'"checkpoint [0-9a-f]{16} ', r0["said"]["other weights"])
 
 
@@ -275,3 +280,16 @@ def test_runtimes_made_one_after_another_each_meet_under_their_own_prefix():
     """Without a prefix of its own, the second runtime's rank 0 found rank 1's first arrival
     and gloo address in the store and connected to a closed listener."""
     assert run_world(2, _two_runtimes, timeout=120) == [[3, 3], [3, 3]]
+
+
+def test_a_checkpoint_this_rank_cannot_read_is_named_not_raised():
+    """_checkpoint never raises (a rank raising before its check-in leaves its peers waiting
+    dist_timeout): a path it cannot stat is compared as the path, with why; a missing path as
+    the path, whether given as text or as a Path."""
+    from dspark_launch.api import _checkpoint
+
+    assert _checkpoint(Path("/nonexistent/x")) == _checkpoint("/nonexistent/x") == \
+        "/nonexistent/x"
+    too_long = "/tmp/" + "a" * 300  # ENAMETOOLONG from stat
+    assert _checkpoint(too_long).startswith(too_long + " (unreadable: [Errno 36]")
+    assert _checkpoint(None) is None

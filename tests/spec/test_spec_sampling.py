@@ -195,3 +195,40 @@ def test_batched_sampler_mixed_batch_matches_target(tiny, algorithm, block, thre
         plain = exact_marginals(tiny.small_vocab)
         assert min(chi2_pvalue(torch.bincount(sampled[:, pos], minlength=16), plain[pos])
                    for pos in range(3)) < 1e-6
+
+
+def _slot_salts_drawn(rank: int, algorithm: str) -> list[list[int]]:
+    """The purposes a drafter passed to its keyed uniforms over a short sampled batch."""
+    from dspark_launch import LLM, SamplingParams
+    from dspark_launch.spec import block_drafter, dspark_sampler, keyed
+
+    seen: list[list[int]] = []
+
+    def spy(keys, positions, purpose):  # records, then draws as the drafter would
+        seen.append([purpose] if isinstance(purpose, int) else purpose.tolist())
+        return keyed.uniforms(keys, positions, purpose)
+
+    module = block_drafter if algorithm == "DFLASH" else dspark_sampler
+    module.uniforms = spy
+    with LLM(speculative_algorithm=algorithm, kv_cache_memory="64MiB", device="cpu",
+             speculative_policy="fixed") as llm:
+        llm.generate(["def f(x):", "class A:"], SamplingParams(max_tokens=8, temperature=1.0))
+    return seen
+
+
+@pytest.mark.parametrize("algorithm", ["DFLASH", "DSPARK"])
+def test_drafters_draw_by_slot(algorithm):
+    """Both drafters key their draws by each draft's slot in the block (draft_purposes: a
+    position drafted again after a rejection draws afresh, test_verify_ngram's
+    test_a_position_drafted_again_draws_afresh), not by one constant purpose."""
+    from multirank import run_world
+
+    from dspark_launch.spec.keyed import DRAFT, salt
+
+    seen = run_world(1, _slot_salts_drawn, algorithm, timeout=120)[0]
+    assert seen
+    for salts in seen:
+        k = salts.count(salt(DRAFT))  # requests drafting: one first slot each
+        assert k and salts == [salt(DRAFT + j) for _ in range(k)
+                               for j in range(len(salts) // k)]
+        assert len(salts) // k > 1  # a block of several slots, each its own purpose
