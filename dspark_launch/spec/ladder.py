@@ -62,9 +62,12 @@ of this step exists (a length from past rounds, spec/policy.py).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from dspark_launch.log import logger
 
 # Caps tried (those below max_drafts, and max_drafts). 7 and 15, not 6 and 12: 1 + cap verify
 # rows per request fill GEMM tiles at small batches (one thread's 256->1024 projection took
@@ -225,6 +228,9 @@ class Arm:
     wait: int = EXPLORE_EVERY  # steps until this arm is tried again as a neighbour
     due: int = 0  # the step from which it may be
 
+    def __str__(self) -> str:
+        return f"cap {self.cap}{' (model)' if self.model else ''}" if self.cap else "plain"
+
     def observe(self, rounds: int, log_ratio: float, log_tokens: float = 0.0) -> None:
         self.rounds += rounds
         self.seen += rounds
@@ -311,6 +317,7 @@ class Ladder:
         self._settled = 0.0  # yardstick steps since the last move (SETTLE)
         self._refilling = False  # the budget stopped a try: no tries until REFILL is back
         self._waking = 0.0  # context writes of awake plain steps not yet charged (BUDGET)
+        self.name = ""  # its request class and batch sizes, for the log (policy.py)
         self.allowance = Allowance() if allowance is None else allowance
         self.allowance.ladders.append(self)
         self._unfaded = 0  # scored steps whose fade the arms have not had yet (_settle)
@@ -622,6 +629,14 @@ class Ladder:
         self._trying = None
         came_from, there = self.arms[self.at], self.arms[i]
         gap = self._gap(i)
+        if logger.isEnabledFor(logging.DEBUG):  # --log-level DEBUG: how a ladder got where
+            # it ended (the summary shows where; a drift is seen only here)
+            noise = Z * there.log_error(self._floor)
+            why = (f"{math.exp(gap):.3f}x (band {math.exp(gap - noise):.3f}-"
+                   f"{math.exp(gap + noise):.3f}) over {there.count} tries" if there.count
+                   else "untried (start_at)")
+            logger.debug(f"verify ladder {self.name}: {came_from} -> {there} at step "
+                         f"{self.steps}, {why}")
         for j, arm in enumerate(self.arms):  # ratios re-based on the new arm: estimates
             if j not in (i, self.at):  # through the winner's, so the next try counts more
                 arm.shift(-gap)

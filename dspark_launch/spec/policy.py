@@ -432,6 +432,7 @@ class VerifyPolicy:
                        allowance=self.allowances.setdefault(cls, Allowance()))
                 if self.mode == "adaptive" else Ladder.single(self.positions, model=True))
             ladder.expect = functools.partial(self._expected, ladder, cls)
+            ladder.name = key
             if self.mode == "adaptive" and self.warm_start:
                 drafting = [s for (c, s), lad in self._by_size.items()
                             if c == cls and s > size and lad.current.cap]

@@ -681,3 +681,25 @@ def test_the_report_gives_each_neighbour_its_tries_and_band():
             widths[k] = got["band"][1] - got["band"][0]
     assert widths[4] > widths[16] > widths[32]
     assert reading(1, True)["band"] is None  # never tried
+
+
+def test_each_move_is_logged_at_debug(caplog, monkeypatch):
+    """--log-level DEBUG shows how a ladder got where it ended: every move, from and to,
+    with the evidence it moved on (the summary shows only where it ended)."""
+    from dspark_launch.log import logger
+
+    monkeypatch.setattr(logger, "propagate", True)
+    ladder = Ladder(8)
+    ladder.name = "greedy, batch 9-16"
+    with caplog.at_level("DEBUG", logger="dspark_launch"):
+        closed_loop(ladder, peaked(3), 3000)
+    moves = [r.getMessage() for r in caplog.records
+             if r.getMessage().startswith("verify ladder greedy, batch 9-16: ")]
+    assert moves and ladder.at != PLAIN
+    assert moves[0].startswith("verify ladder greedy, batch 9-16: plain -> cap ")
+    assert moves[-1].split(" -> ")[1].startswith(f"{ladder.current} at step ")
+    assert all(" tries" in m and "x (band " in m for m in moves)
+    with caplog.at_level("INFO", logger="dspark_launch"):  # nothing below DEBUG
+        n = len(caplog.records)
+        closed_loop(Ladder(8), peaked(3), 300)
+        assert len(caplog.records) == n
