@@ -31,6 +31,7 @@ from dspark_launch.engine.build import EngineArgs, build_engine
 from dspark_launch.engine.params import SamplingParams, not_unicode
 from dspark_launch.engine.request import RequestSpec
 from dspark_launch.errors import ConfigError
+from dspark_launch.models.loader import INDEX_FILE, checkpoint_files
 from dspark_launch.outputs import CompletionOutput, OutputProcessor
 from dspark_launch.parallel import (
     GAVE_UP,
@@ -407,12 +408,10 @@ def _asked_params(params: list[SamplingParams]) -> dict:
 
 
 # The files of a checkpoint directory the engine reads, compared by their bytes (weights by
-# their headers and samples: _weights_digest).
+# their headers and each tensor's first bytes: _weights_digest).
 READ_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "chat_template.jinja", "calibration.json",
-              "model.safetensors.index.json")
-WEIGHT_SAMPLES = 3  # 64 KiB reads per weights file, spread over its tensor data
-SAMPLE_BYTES = 1 << 16
+              "chat_template.jinja", "calibration.json", INDEX_FILE)
+TENSOR_SAMPLE = 64  # bytes read from the start of each tensor
 MAX_HEADER = 100 << 20  # safetensors' own limit (a broken file's claimed length is no size)
 
 
@@ -420,11 +419,12 @@ def _checkpoint(path) -> str | None:
     """A checkpoint as the ranks compare it: what it holds, not where. Nodes may hold one
     checkpoint at different paths, and one path on two nodes may hold different copies (two
     training steps' checkpoints have the same config, names and sizes). What it holds: the
-    bytes of the files the engine reads (READ_FILES), and of each weights file its size,
-    safetensors header (names, shapes, offsets) and a few samples of its data: different
-    weights differ there, and reading them costs a few short reads a file. Files the engine
-    does not read (a README, trainer_state.json) change nothing. A path this rank cannot
-    read as a directory stays as given (the engine names it)."""
+    bytes of the files the engine reads (READ_FILES), and of each weights file the loader
+    reads (checkpoint_files) its size, header (names, shapes, offsets) and the first bytes of
+    every tensor: training changes every element of a tensor it trains, and these are one
+    short read per tensor. Files the engine does not read (a README, trainer_state.json)
+    change nothing. A path this rank cannot read as a directory stays as given (the engine
+    names it); a non-path raises TypeError, which the check-in reports (agree)."""
     if path is None:
         return None
     try:
@@ -435,26 +435,35 @@ def _checkpoint(path) -> str | None:
         for name in READ_FILES:
             if (root / name).is_file():
                 held.update(name.encode() + b"\0" + (root / name).read_bytes())
-        for weights in sorted(root.glob("*.safetensors")):
-            held.update(weights.name.encode() + b"\0" + _weights_digest(weights))
+        try:
+            for weights in checkpoint_files(root):
+                held.update(weights.name.encode() + b"\0" + _weights_digest(weights))
+        except ConfigError as err:  # the engine says it after the check-in
+            held.update(str(err).encode())
     except (OSError, ValueError) as err:  # unreadable here (a permission, a stale handle)
         return f"{os.fspath(path)} (unreadable: {err})"
     return f"checkpoint {held.hexdigest()[:16]} (files the engine reads, weights sampled)"
 
 
 def _weights_digest(weights: Path) -> bytes:
-    """A safetensors file's size, header and WEIGHT_SAMPLES reads spread over its data."""
+    """A safetensors file's size, header and the first TENSOR_SAMPLE bytes of each tensor
+    (three samples spread over the file missed a draft whose trained layers lay between
+    them, beside frozen copies of the target's embedding)."""
+    held = hashlib.sha256()
     with open(weights, "rb") as f:
-        size = f.seek(0, 2)
-        f.seek(0)
-        head = f.read(8)
-        header = f.read(min(int.from_bytes(head.ljust(8, b"\0"), "little"), MAX_HEADER))
-        begin = f.tell()
-        samples = []
-        for k in range(WEIGHT_SAMPLES):
-            f.seek(begin + (size - begin) * k // WEIGHT_SAMPLES)
-            samples.append(f.read(SAMPLE_BYTES))
-    return hashlib.sha256(str(size).encode() + head + header + b"".join(samples)).digest()
+        size = os.fstat(f.fileno()).st_size
+        header = f.read(min(int.from_bytes(f.read(8).ljust(8, b"\0"), "little"), MAX_HEADER))
+        held.update(str(size).encode() + b"\0" + header)
+        begin = 8 + len(header)
+        try:
+            starts = sorted(t["data_offsets"][0] for name, t in json.loads(header).items()
+                            if name != "__metadata__")
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            starts = []  # no safetensors header: its bytes above (the loader names it)
+        for start in starts:
+            f.seek(begin + start)
+            held.update(f.read(TENSOR_SAMPLE))
+    return held.digest()
 
 
 def _digest(value) -> str:
