@@ -547,10 +547,16 @@ class Ladder:
         if not there.judgeable:
             return
         gap, noise = self._evidence(i)
-        if i == PLAIN and gap > -math.log(1 + MARGIN) / 2 and noise < math.log(1 + TIE):
+        if i == PLAIN and gap > -math.log(1 + MARGIN) / 2 and noise < math.log(1 + TIE) \
+                and gap - noise > -math.log(1 + ENTER):
             # Plain decoding takes a tie: it costs the least CPU and its speed rests on no
             # estimate, so a drafting arm stays only while it beats plain by the margin (at
             # T=1 the cost model's arms, which draft little, drifted in on ties at 0.99x).
+            # A tie within Z standard errors of the bar for entering the arm from plain
+            # decoding (ENTER): judged after every plain try, a tie read at the estimate
+            # alone came, by chance, to an arm that ran 1.07-1.10x plain decoding (DFlash's
+            # cap 2 at batch 16, greedy: plain's tries read 1.01x it after 13), and the
+            # climb back from plain needs ENTER (round 44's traces).
             self._move(i)
             return
         if -noise < gap < noise and noise > math.log(1 + MARGIN):
