@@ -25,6 +25,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from dspark_launch.args import parse_bytes
 from dspark_launch.comm import ranks_by
 from dspark_launch.engine.build import EngineArgs, build_engine
@@ -371,8 +374,6 @@ def _timeout_ok(dist_timeout) -> bool:
 def _device_name(device):
     """A torch.device as the name the CLI takes (cuda without an index: each rank takes its
     LOCAL_RANK's); anything else as given."""
-    import torch
-
     if isinstance(device, torch.device) and device.type in DEVICES and (
             device.index is None or device.type == "cpu"):
         return device.type
@@ -380,8 +381,6 @@ def _device_name(device):
 
 
 def _device_ok(device: str) -> bool:
-    import torch
-
     return device != "cuda" or torch.cuda.is_available()
 
 
@@ -472,8 +471,6 @@ def _digest(value) -> str:
 
 
 def _world_size() -> int:
-    import torch.distributed as dist
-
     return dist.get_world_size() if dist.is_initialized() else launch_world_size()
 
 

@@ -41,15 +41,18 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h
 
 
+SALT = 0x632BE5AB  # odd: distinct purposes mix in distinct salts
+
+
 def salt(purpose: int) -> int:
     """What a purpose mixes into the hash."""
-    return (purpose * 0x632BE5AB) & MASK32
+    return (purpose * SALT) & MASK32
 
 
 def draft_purposes(n: int, k: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Salts of n draft blocks of k slots, row i*k + j: purpose DRAFT + j. -> [n*k] int64"""
     slots = torch.arange(k, device=device, dtype=torch.int64).repeat(n)
-    return (slots + DRAFT) * 0x632BE5AB & MASK32  # salt(DRAFT + j)
+    return (slots + DRAFT) * SALT & MASK32  # salt(DRAFT + j), on the device
 
 
 def uniforms(
