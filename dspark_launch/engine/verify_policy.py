@@ -85,7 +85,7 @@ def gather_policy_report(engine) -> dict | None:
     merged["cost_curves"] = [p["cost_curve"] for p in parts]  # one per attn_dp group
     merged["draft_cost_curves"] = [p["draft_cost_curve"] for p in parts]
     merged["ladders"] = [p["ladders"] for p in parts]  # per group: per request class and batch size
-    merged["drafting_factors"] = [p["drafting_factor"] for p in parts]
+    merged["drafting_costs"] = [p["drafting_cost"] for p in parts]
     return merged
 
 

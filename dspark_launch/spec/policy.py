@@ -72,6 +72,7 @@ from dspark_launch.spec.acceptance import (
     apply_temperatures,
 )
 from dspark_launch.spec.cost_curve import CostCurve, profile_points
+from dspark_launch.spec.drafting_cost import DraftingCost
 from dspark_launch.spec.ladder import PLAIN, TRY_STEPS, Allowance, Arm, Ladder
 
 # adaptive: the verify ladder (spec/ladder.py) over caps, the cost model one of its modes;
@@ -102,8 +103,6 @@ WAKE_AHEAD = 32
 MEASURED_AFTER = 8
 CALIBRATION_EVERY = 4  # fixed-cap steps whose estimates are kept for the report: one in 4
 IDLE_RECHECK = 8  # while nobody drafts, the same requests are re-planned every 8th step
-FACTOR_RATE = 0.2  # EMA weight of one drafting step in VerifyPolicy.drafting_factor ...
-FACTOR_RANGE = (0.5, 3.0)  # ... whose observations are clipped to this range
 DRAFT_SHAPE_RATE = 0.2  # how fast the draft curve's points follow measured draft times
 
 
@@ -331,9 +330,9 @@ class VerifyPolicy:
         self._accepted = False  # ... and some draft was accepted since drafting began
         self._idle_keys: list = []  # the requests of the last idle plan
         self._probes = 0  # probes so far: whose turn the next one is
-        # What a drafting step's verify rows past the base really cost over what the curve
-        # predicts (1: as predicted), learned from past steps only: choices stay lossless.
-        self.drafting_factor = 1.0
+        # What a drafting step's verify rows past the base really cost, over a plain step,
+        # learned from past steps only: choices stay lossless.
+        self.drafting = DraftingCost()
         self.plain_curve = CostCurve(list(curve.tokens), list(curve.seconds), ema=PLAIN_EMA,
                                      outlier_ratio=PLAIN_OUTLIER)
         # The ladder's yardstick: the start-up profile, never refined, so that arms measured
@@ -562,32 +561,43 @@ class VerifyPolicy:
             return list(limits)
         if conf is None or not self._model:
             return list(limits)  # decided in plan(): from past rounds, or the ladder's cap
+        # The draft forward is paid, and so is verifying at all (plan() let these requests
+        # draft at that price): Algorithm 1 weighs each candidate by its rows. (With the
+        # overhead on the first candidate, its early stop would rarely pass it.)
         sunk = self.draft_curve.step_seconds(draft_rows) if draft_rows else 0.0
-        step = self._drafting_step(base_tokens)
+        step = self._drafting_step(base_tokens, verifying=True)
         return choose_lengths(survival, base_tokens, lambda n: step(n) + sunk).lengths
 
-    def _drafting_step(self, base_tokens: int) -> Callable:
-        """Seconds of a step with n tokens, its rows past the base priced by the learned
-        drafting factor (the base alone is what plain steps measure)."""
+    def _drafting_step(self, base_tokens: int, verifying: bool = False) -> Callable:
+        """Seconds of a step with n tokens: a plain step's (what plain steps measured) and,
+        with rows past the base, what verifying was learned to cost (DraftingCost: an
+        overhead for verifying at all, and the profile's price of the rows, scaled).
+        `verifying`: the overhead is paid whatever n (a constant: choose())."""
         base, plain = self.curve.step_seconds(base_tokens), self._plain_seconds(base_tokens)
-        return lambda n: plain + self.drafting_factor * (self.curve.step_seconds(n) - base)
+        drafting = self.drafting
+
+        def seconds(n):
+            extra = drafting.seconds(self.curve.step_seconds(n) - base)
+            return plain + (extra if verifying else np.where(np.asarray(n) > base_tokens,
+                                                             extra, 0.0))
+        return seconds
 
     def _plain_seconds(self, tokens: int) -> float:
         """A plain step of `tokens`: what plain steps measured (the first step, and one in
         PLAIN_EVERY, is plain even where drafting pays)."""
         return self.plain_curve.step_seconds(tokens)
 
-    def _learn_drafting_factor(self, base_tokens: int, forward_tokens: int,
-                               seconds: float) -> None:
-        """measured / predicted cost of the verify rows past the base, from one drafting
-        step's forward: the profile runs fresh, uniform blocks, while real verify rows attend
-        to long contexts in mixed widths. (The draft forward has its own measured curve.)"""
-        predicted = self.curve.step_seconds(forward_tokens) - self.curve.step_seconds(base_tokens)
-        if forward_tokens <= base_tokens or predicted <= 0:
+    def _learn_drafting_cost(self, base_tokens: int, forward_tokens: int,
+                             seconds: float) -> None:
+        """One drafting step's forward over a plain step of its base, against the profile's
+        price of its verify rows (DraftingCost): the profile runs fresh, uniform blocks,
+        while real verify rows attend to long contexts in mixed widths, and a step that
+        verifies pays for the verify path too. (The draft forward has its own curve.)"""
+        if forward_tokens <= base_tokens:
             return
-        measured = seconds - self._plain_seconds(base_tokens)
-        ratio = min(max(measured / predicted, FACTOR_RANGE[0]), FACTOR_RANGE[1])
-        self.drafting_factor += FACTOR_RATE * (ratio - self.drafting_factor)
+        self.drafting.observe(
+            self.curve.step_seconds(forward_tokens) - self.curve.step_seconds(base_tokens),
+            seconds - self._plain_seconds(base_tokens))
 
     def record(self, key: object, cls: str, verified: int, accepted: int) -> None:
         """One request's round: `verified` drafts verified, `accepted` of them accepted."""
@@ -643,7 +653,7 @@ class VerifyPolicy:
                     context_s: float = 0.0) -> None:
         """Measured (agreed) times of the last step (`base_tokens`: its tokens before any
         draft; `context_s`: deferred context writes, in neither time): refine both curves and
-        the drafting factor; age the counts.
+        the drafting cost; age the counts.
         Acceptance counts age with drafting steps only: new evidence replaces old, but a
         drafter written off does not drift back to the optimistic prior by itself. Probes
         (plan(), backing off) are what tries it again."""
@@ -651,13 +661,13 @@ class VerifyPolicy:
         if decode_tokens:
             self._observe_ladder(forward_s + draft_s, context_s)
         if self.adaptive and base_tokens is not None and draft_rows:
-            self._learn_drafting_factor(base_tokens, forward_tokens, forward_s)
+            self._learn_drafting_cost(base_tokens, forward_tokens, forward_s)
         if decode_tokens:
             # A prefill-only step is no choice of the policy's (and a chunk of n tokens costs
             # less than n requests' rows). The plain curve prices the step every candidate
             # starts from, so it learns from plain steps only: a drafting step's extra rows
             # (long contexts, mixed widths) would pull its overhead up and over-price plain
-            # decoding; those rows are the drafting factor's.
+            # decoding; those rows are the drafting cost's.
             self.curve.observe(forward_tokens, forward_s)
             if not draft_rows:
                 self.plain_curve.observe(forward_tokens, forward_s)
@@ -684,7 +694,7 @@ class VerifyPolicy:
     def report(self) -> dict:
         return {"policy": self.mode, **self.metrics.to_dict(),
                 "ladders": {cls: ladder.to_dict() for cls, ladder in self.ladders.items()},
-                "drafting_factor": round(self.drafting_factor, 4),
+                "drafting_cost": self.drafting.to_dict(),
                 "cost_curve": self.curve.to_dict(), "draft_cost_curve": self.draft_curve.to_dict()}
 
 
