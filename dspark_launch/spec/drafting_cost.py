@@ -28,20 +28,37 @@ from dataclasses import dataclass
 
 RATE = 0.05  # weight of one drafting step in the fit (a window of ~20 drafting steps)
 FACTOR_RANGE = (0.5, 3.0)  # the slope is kept within this
-SPREAD = 0.05  # the prices must spread by this share of their mean to move the slope
+SPREAD = 0.05  # the prices must spread by this share of their mean to move the slope ...
+SLOPE_ERROR = 0.2  # ... and fix it to within this share (one standard error)
+OUTLIER = 2.0  # once OUTLIER_AFTER steps are fitted, a step counts as at most this far off
+OUTLIER_AFTER = 8  # the line (a stall of the shared machine; a slow first step)
 
 
 @dataclass
 class DraftingCost:
-    factor: float = 1.0  # seconds a verify row costs per second the profile prices it
-    overhead: float = 0.0  # seconds a step adds for verifying any draft at all
+    slope: float = 1.0  # seconds a verify row costs per second the profile prices it
     observed: int = 0  # drafting steps fitted
-    # Exponentially weighted means of the profile's price x and the measured extra y, the
-    # variance of x and the covariance (centred updates: no cancellation)
+    # Exponentially weighted means of the profile's price x and the measured extra y, their
+    # variances and covariance (centred updates: no cancellation)
     _x: float = 0.0
     _y: float = 0.0
     _xx: float = 0.0
+    _yy: float = 0.0
     _xy: float = 0.0
+
+    @property
+    def factor(self) -> float:
+        """The rows' price over the profile's: the slope, or, where the line through the
+        recent steps' mean at that slope would give verifying a negative overhead, the
+        line through the origin (rows cheaper than the slope says at that level)."""
+        if self._y - self.slope * self._x >= 0 or not self._x > 0:
+            return self.slope
+        return self._clip(self._y / self._x)
+
+    @property
+    def overhead(self) -> float:
+        """Seconds a step adds for verifying any draft at all."""
+        return max(0.0, self._y - self.factor * self._x)
 
     def seconds(self, priced):
         """Extra seconds of verifying rows the profile prices at `priced` seconds (a number or
@@ -53,18 +70,28 @@ class DraftingCost:
         `measured` seconds over a plain step of its base."""
         if not priced > 0:
             return
-        rate = max(RATE, 1.0 / (self.observed + 1))  # a plain mean at first
+        if self.observed >= OUTLIER_AFTER:
+            expected = self.seconds(priced)
+            measured = min(max(measured, expected / OUTLIER), expected * OUTLIER)
+        if not self.observed:  # the prior: the profile's price, at the first step's rows
+            self._x, self._y = priced, self.slope * priced
         self.observed += 1
+        rate = RATE  # (so a slow first step moves the fit by RATE, not to itself)
         dx, dy = priced - self._x, measured - self._y
         self._x += rate * dx
         self._y += rate * dy
         self._xx = (1 - rate) * (self._xx + rate * dx * dx)
+        self._yy = (1 - rate) * (self._yy + rate * dy * dy)
         self._xy = (1 - rate) * (self._xy + rate * dx * dy)
         if self._xx > (SPREAD * self._x) ** 2:
-            self.factor = self._clip(self._xy / self._xx)
-        self.overhead = self._y - self.factor * self._x
-        if self.overhead < 0:  # rows cheaper than the line says: a line through the origin
-            self.factor, self.overhead = self._clip(self._y / self._x), 0.0
+            # The slope moves only where the steps fix it: one width's steps tell the
+            # level, not the slope, and a level that moved while the widths' old spread
+            # lingers in the averages would tilt it.
+            slope = self._xy / self._xx
+            residual = max(0.0, self._yy - slope * self._xy)  # per step, around the line
+            steps = min(self.observed, 2 / RATE)  # the averages' memory, in steps
+            if residual / (self._xx * steps) <= (SLOPE_ERROR * slope) ** 2:
+                self.slope = self._clip(slope)
 
     @staticmethod
     def _clip(factor: float) -> float:

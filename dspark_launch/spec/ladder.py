@@ -35,8 +35,8 @@ bursts. One not yet resolved keeps being tried, for PATIENCE tries. A try far of
 record (SURPRISE: the machine or the batch changed) makes the old tries count less and the arm
 due again soon. After a move the ratios are re-based on the new arm (the old one's is the
 mirror of the one that won, the others' shift by the winner's and count less: they are
-estimates through it), except after leaving plain decoding or moving to a cost-model arm: then
-the arm left is measured afresh from the new one (_move).
+estimates through it), except after leaving plain decoding or a fixed arm for a cost-model arm:
+then the arm left is measured afresh from the new one (_move).
 
 Exploring is paid for: tries are made only while what they lost (and, at plain decoding, what
 waking for them cost) stays within BUDGET of the run's time (plus a small ALLOWANCE, one for
@@ -643,11 +643,21 @@ class Ladder:
                    else "untried (start_at)")
             logger.debug(f"verify ladder {self.name}: {came_from} -> {there} at step "
                          f"{self.steps}, {why}")
+        # From a fixed arm to a cost-model arm: the model's tries read its choices in the
+        # state the fixed arm keeps (every request's acceptance freshly counted, a plain
+        # step priced between drafting ones), which its own play does not keep. DFlash's
+        # (3, model) at batch 16, greedy scored 1.16-1.19x over cap 3 in its tries and
+        # drafted in 49-80% of a repeat once current; cap 3, with the mirror of those tries,
+        # waited as a clear loser for 1000-2800 steps (round 44's move logs). So the arm
+        # left is measured afresh from the model's, and the others are not re-based by its
+        # tries' gap (they count less, as after any move).
+        biased = there.model and not came_from.model and came_from.cap > 0
         for j, arm in enumerate(self.arms):  # ratios re-based on the new arm: estimates
             if j not in (i, self.at):  # through the winner's, so the next try counts more
-                arm.shift(-gap)
+                if not biased:
+                    arm.shift(-gap)
                 arm.fade(SURPRISE_KEEP)
-        if self.at == PLAIN or there.model:
+        if self.at == PLAIN or biased:
             # Left plain decoding: plain decoding is measured afresh from the new arm, not
             # credited with the mirror of the tries that won. Those tries were biased the
             # one way: a drafting step after plain ones drafts from fresh positions, where
@@ -657,12 +667,7 @@ class Ladder:
             # its three tries from plain decoding (scored 1.18x), 2.09 once settled, and
             # ran 0.95x plain decoding. A try of plain decoding commits one token a round
             # whatever came before, so plain's tries from the new arm are the fair test.
-            # Moved to a cost-model arm: its tries read the model's choices in the state the
-            # arm it was tried from keeps (every request's acceptance freshly counted, a plain
-            # step priced between drafting ones), which its own play does not keep. DFlash's
-            # (3, model) at batch 16, greedy scored 1.16-1.19x over (3, plain) in its tries
-            # and drafted in 49-80% of a repeat once current; (3, plain), with the mirror of
-            # those tries, waited as a clear loser for 1000-2800 steps (round 44's move logs).
+            # (From a fixed arm to a model arm: see above.)
             came_from.forget()
             came_from.wait, came_from.due = EXPLORE_EVERY, 0  # young: due at once
         else:

@@ -71,7 +71,7 @@ from dspark_launch.spec.acceptance import (
     MeasuredRates,
     apply_temperatures,
 )
-from dspark_launch.spec.cost_curve import CostCurve, profile_points
+from dspark_launch.spec.cost_curve import OUTLIER_RATIO, CostCurve, profile_points
 from dspark_launch.spec.drafting_cost import DraftingCost
 from dspark_launch.spec.ladder import PLAIN, TRY_STEPS, Allowance, Arm, Ladder
 
@@ -595,9 +595,11 @@ class VerifyPolicy:
         verifies pays for the verify path too. (The draft forward has its own curve.)"""
         if forward_tokens <= base_tokens:
             return
-        self.drafting.observe(
-            self.curve.step_seconds(forward_tokens) - self.curve.step_seconds(base_tokens),
-            seconds - self._plain_seconds(base_tokens))
+        priced = self.curve.step_seconds(forward_tokens)
+        # A step at most OUTLIER_RATIO off the curve's price (a stall: the curve's own rule)
+        seconds = min(max(seconds, priced / OUTLIER_RATIO), priced * OUTLIER_RATIO)
+        self.drafting.observe(priced - self.curve.step_seconds(base_tokens),
+                              seconds - self._plain_seconds(base_tokens))
 
     def record(self, key: object, cls: str, verified: int, accepted: int) -> None:
         """One request's round: `verified` drafts verified, `accepted` of them accepted."""
@@ -660,7 +662,9 @@ class VerifyPolicy:
         self.metrics.verified_tokens[decode_tokens] += 1
         if decode_tokens:
             self._observe_ladder(forward_s + draft_s, context_s)
-        if self.adaptive and base_tokens is not None and draft_rows:
+        if self.adaptive and base_tokens is not None and draft_rows \
+                and forward_tokens == decode_tokens:
+            # (A step that also prefills prices its chunks as plain steps' rows: not learned)
             self._learn_drafting_cost(base_tokens, forward_tokens, forward_s)
         if decode_tokens:
             # A prefill-only step is no choice of the policy's (and a chunk of n tokens costs

@@ -724,15 +724,16 @@ def test_a_tie_is_not_read_into_an_arm_that_beats_plain_by_the_entry_bar():
 
 
 def test_a_cost_model_arm_that_plays_below_its_tries_is_left():
-    """A cost-model arm's tries read the model's choices in the state the arm it was tried
-    from keeps (every request's acceptance freshly counted, a plain step's price measured
-    between drafting ones); its own steady play does not keep that state. Round 44's move
-    logs: DFlash's (3, model) at batch 16, greedy scored 1.16-1.19x in its tries from (3,
-    plain) and drafted in 49-80% of a repeat once current. Here it reads 1.17x in tries and
-    1.00x as the current arm, beside a cap 3 at 1.07x. Before, the arm it left took the mirror
-    of those tries and waited, a clear loser, for thousands of steps (20 seeds: 1.044x over
-    the last 6000 of 8000 steps, one seed 0.9995x); now the arm left is measured afresh from
-    the model's arm, as plain decoding is after a climb from it."""
+    """A cost-model arm's tries read the model's choices in the state the fixed arm it was
+    tried from keeps (every request's acceptance freshly counted, a plain step priced between
+    drafting ones); its own steady play does not keep that state. Round 44's move logs:
+    DFlash's (3, model) at batch 16, greedy scored 1.16-1.19x in its tries from cap 3 and
+    drafted in 49-80% of a repeat once current. Here it reads 1.17x in tries and 1.00x as
+    the current arm, beside cap 3 at 1.07x. Before, cap 3 took the mirror of those tries and
+    waited, a clear loser, for thousands of steps (20 seeds: 1.044x over the last 6000 of
+    8000 steps, one seed 0.9995x); now the arm left is measured afresh from the model's arm,
+    as plain decoding is after a climb from it, and the others are not re-based by the
+    model's biased gap."""
     def speed(cap: int, model: bool, current: bool) -> float:
         if model:
             return (1.00 if current else 1.17) if cap == 3 else 0.95
