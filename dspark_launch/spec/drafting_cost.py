@@ -17,40 +17,51 @@ priced drafting ever dearer) where every request verifying 2 ran 1.03-1.07x plai
 in the ladder it scored above its neighbours in tries (from their state) and below them in
 steady play (round 44's move logs).
 
-The fit is a least-squares line through recent drafting steps (exponentially weighted: the
-machine drifts). Its slope is kept where those steps' prices barely spread (the policy settled
-on one length): one point fixes the level, not the slope, so the overhead follows the level and
-the slope stays the last one the data could tell."""
+The fit: the slope is a least-squares line through recent drafting steps (exponentially
+weighted: the machine drifts), moved only where those steps fix it (their prices spread, and
+the slope's standard error is small): one width's steps tell the level, not the slope, so once
+the policy settles on one length the slope stays the last one the data could tell. The level
+(the recent steps' mean price and measured extra) starts at the prior (the profile's price, no
+overhead) and moves at RATE, so one slow first step moves it by RATE; once OUTLIER_AFTER steps
+are fitted, a step counts as at most OUTLIER off the line (a stall of the shared machine). The
+overhead is the level's intercept at the slope (a line through the origin where that would be
+negative)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-RATE = 0.05  # weight of one drafting step in the fit (a window of ~20 drafting steps)
+RATE = 0.05  # weight of one drafting step in the fit (a memory of ~40 drafting steps)
 FACTOR_RANGE = (0.5, 3.0)  # the slope is kept within this
 SPREAD = 0.05  # the prices must spread by this share of their mean to move the slope ...
 SLOPE_ERROR = 0.2  # ... and fix it to within this share (one standard error)
-OUTLIER = 2.0  # once OUTLIER_AFTER steps are fitted, a step counts as at most this far off
-OUTLIER_AFTER = 8  # the line (a stall of the shared machine; a slow first step)
+OUTLIER = 2.0  # a step counts as at most this far off the line (a stall) ...
+OUTLIER_AFTER = 8  # ... once this many steps are fitted (and the slope moves from then on)
 
 
 @dataclass
 class DraftingCost:
     slope: float = 1.0  # seconds a verify row costs per second the profile prices it
     observed: int = 0  # drafting steps fitted
-    # Exponentially weighted means of the profile's price x and the measured extra y, their
-    # variances and covariance (centred updates: no cancellation)
+    # The level: exponentially weighted means of the profile's price x and the measured
+    # extra y, from the prior (x of the first step, slope * x)
     _x: float = 0.0
     _y: float = 0.0
+    # The slope's: the steps' own weighted means, variances and covariance (a plain mean at
+    # first, then at RATE; centred updates: no cancellation), and the sum of the squared
+    # weights (the effective number of steps is its inverse)
+    _mx: float = 0.0
+    _my: float = 0.0
     _xx: float = 0.0
     _yy: float = 0.0
     _xy: float = 0.0
+    _w2: float = 0.0
 
     @property
     def factor(self) -> float:
         """The rows' price over the profile's: the slope, or, where the line through the
-        recent steps' mean at that slope would give verifying a negative overhead, the
-        line through the origin (rows cheaper than the slope says at that level)."""
+        level at that slope would give verifying a negative overhead, the line through the
+        origin (rows cheaper than the slope says at that level)."""
         if self._y - self.slope * self._x >= 0 or not self._x > 0:
             return self.slope
         return self._clip(self._y / self._x)
@@ -73,30 +84,33 @@ class DraftingCost:
         if self.observed >= OUTLIER_AFTER:
             expected = self.seconds(priced)
             measured = min(max(measured, expected / OUTLIER), expected * OUTLIER)
-        if not self.observed:  # the prior: the profile's price, at the first step's rows
+        if not self.observed:
             self._x, self._y = priced, self.slope * priced
         self.observed += 1
-        rate = RATE  # (so a slow first step moves the fit by RATE, not to itself)
-        dx, dy = priced - self._x, measured - self._y
-        self._x += rate * dx
-        self._y += rate * dy
+        self._x += RATE * (priced - self._x)
+        self._y += RATE * (measured - self._y)
+        rate = max(RATE, 1.0 / self.observed)
+        dx, dy = priced - self._mx, measured - self._my
+        self._mx += rate * dx
+        self._my += rate * dy
         self._xx = (1 - rate) * (self._xx + rate * dx * dx)
         self._yy = (1 - rate) * (self._yy + rate * dy * dy)
         self._xy = (1 - rate) * (self._xy + rate * dx * dy)
-        if self._xx > (SPREAD * self._x) ** 2:
-            # The slope moves only where the steps fix it: one width's steps tell the
-            # level, not the slope, and a level that moved while the widths' old spread
-            # lingers in the averages would tilt it.
-            slope = self._xy / self._xx
-            residual = max(0.0, self._yy - slope * self._xy)  # per step, around the line
-            steps = min(self.observed, 2 / RATE)  # the averages' memory, in steps
-            if residual / (self._xx * steps) <= (SLOPE_ERROR * slope) ** 2:
-                self.slope = self._clip(slope)
+        self._w2 = (1 - rate) ** 2 * self._w2 + rate * rate
+        steps = 1.0 / self._w2  # the effective number of steps behind the moments
+        if self.observed < OUTLIER_AFTER or steps <= 2 or not self._xx > (SPREAD * self._mx) ** 2:
+            return
+        # The slope moves only where the steps fix it: a level that moved while the
+        # widths' old spread lingers in the moments would tilt it.
+        slope = self._xy / self._xx
+        residual = max(0.0, self._yy - slope * self._xy) * steps / (steps - 2)  # per step
+        if residual / (self._xx * steps) <= (SLOPE_ERROR * max(slope, FACTOR_RANGE[0])) ** 2:
+            self.slope = self._clip(slope)
 
     @staticmethod
     def _clip(factor: float) -> float:
         return min(max(factor, FACTOR_RANGE[0]), FACTOR_RANGE[1])
 
     def to_dict(self) -> dict:
-        return {"factor": round(self.factor, 4), "overhead_s": round(self.overhead, 9),
-                "steps": self.observed}
+        return {"factor": round(self.factor, 4), "slope": round(self.slope, 4),
+                "overhead_s": round(self.overhead, 9), "steps": self.observed}

@@ -71,7 +71,12 @@ from dspark_launch.spec.acceptance import (
     MeasuredRates,
     apply_temperatures,
 )
-from dspark_launch.spec.cost_curve import OUTLIER_RATIO, CostCurve, profile_points
+from dspark_launch.spec.cost_curve import (
+    OUTLIER_AFTER,
+    OUTLIER_RATIO,
+    CostCurve,
+    profile_points,
+)
 from dspark_launch.spec.drafting_cost import DraftingCost
 from dspark_launch.spec.ladder import PLAIN, TRY_STEPS, Allowance, Arm, Ladder
 
@@ -596,8 +601,9 @@ class VerifyPolicy:
         if forward_tokens <= base_tokens:
             return
         priced = self.curve.step_seconds(forward_tokens)
-        # A step at most OUTLIER_RATIO off the curve's price (a stall: the curve's own rule)
-        seconds = min(max(seconds, priced / OUTLIER_RATIO), priced * OUTLIER_RATIO)
+        if self.curve.observed >= OUTLIER_AFTER:  # a stall: the curve's own rule (a step at
+            # most OUTLIER_RATIO off its price), before the fit's own clip applies
+            seconds = min(max(seconds, priced / OUTLIER_RATIO), priced * OUTLIER_RATIO)
         self.drafting.observe(priced - self.curve.step_seconds(base_tokens),
                               seconds - self._plain_seconds(base_tokens))
 

@@ -195,16 +195,19 @@ def _best_fixed(policy: VerifyPolicy, machine) -> tuple[int, float]:
 def test_drafting_cost_learns_what_verify_rows_really_cost():
     """Closed form (_best_fixed), every request verifying l drafts: l = 0: 3.48 tok/s, 1:
     3.59, 2: 3.68, 3: 3.46, so the best is l = 2 (8 drafts a step). The policy that learns
-    the rows' price (-> 2.5x the profile's) runs within 1% of it (0.992x); one that trusts
+    the rows' price (-> 2.5x the profile's) runs within 1% of it; one that trusts
     the profile's 0.05 s per row verifies l = 3 (12 a step: 0.94x the best)."""
     learned, trusting = make_policy(), make_policy()
     best, best_speed = _best_fixed(learned, _true_step_seconds)
     assert best == 2
     _, speed = _closed_loop(learned, 300, learn=True)
     without, trusting_speed = _closed_loop(trusting, 300, learn=False)
+    assert learned.drafting.slope == pytest.approx(ROW_S / 0.05, rel=0.02)
     assert learned.drafting.factor == pytest.approx(ROW_S / 0.05, rel=0.02)
     assert learned.drafting.overhead == pytest.approx(0.0, abs=0.01)
     assert speed >= 0.99 * best_speed
+    assert trusting.drafting.to_dict() == {"factor": 1.0, "slope": 1.0, "overhead_s": 0.0,
+                                           "steps": 0}  # (nothing learned)
     assert set(drafting(without[100:])) <= {3 * REQS - 1, 3 * REQS}  # (per request estimates)
     assert trusting_speed < 0.95 * best_speed
 
@@ -232,6 +235,7 @@ def test_drafting_cost_learns_an_overhead_for_verifying_at_all():
     assert best == 4
     verified, speed = _closed_loop(policy, 400, learn=True, machine=_verifying_step_seconds)
     assert policy.drafting.overhead == pytest.approx(VERIFY_S, rel=0.05)
+    assert policy.drafting.slope == pytest.approx(1.0, rel=0.05)
     assert policy.drafting.factor == pytest.approx(1.0, rel=0.05)
     assert speed >= 0.98 * best_speed
     assert sum(verified[100:]) / len(verified[100:]) >= 2.5 * REQS
@@ -410,11 +414,13 @@ def test_a_report_without_predicted_rounds_says_so():
 
 
 def test_a_stall_does_not_price_verifying_out():
-    """One drafting step 100x slow (a stall of the shared machine) once the fit has steps
-    behind it, and the first drafting step 3x slow (one-time costs): each counts as at most
-    OUTLIER_RATIO off the curve's price of the step. Unclipped, either made verifying look
-    dear enough that the policy stopped drafting for hundreds to thousands of steps (a
-    review's reproduction); here it drafts again within a few steps and ends as fast."""
+    """A drafting step 100x slow (a stall of the shared machine) once the fit has steps
+    behind it, or within its first OUTLIER_AFTER steps, and the first drafting step 3x slow
+    (one-time costs). Unclipped, a stall made verifying look dear enough that the policy
+    stopped drafting for hundreds to thousands of steps, and a first step that set the fit
+    did too (reviews' reproductions): a step counts as at most OUTLIER_RATIO off the curve's
+    price of it, and the fit starts from the profile's price and moves at RATE. Here it drafts
+    again within a few steps and ends as fast."""
     def stalled(slow_call: int, factor: float):
         calls = [0]
 
@@ -424,7 +430,7 @@ def test_a_stall_does_not_price_verifying_out():
             return base * factor if calls[0] == slow_call else base
         return machine
 
-    for slow_step, factor in ((150, 100.0), (20, 3.0)):
+    for slow_step, factor in ((150, 100.0), (22, 100.0), (20, 3.0)):
         # (_closed_loop times each step once, and each from the 100th twice)
         machine = stalled(slow_step + 1 + max(0, slow_step - 100), factor)
         policy = make_policy()
@@ -432,7 +438,8 @@ def test_a_stall_does_not_price_verifying_out():
         _, best_speed = _best_fixed(policy, _verifying_step_seconds)
         assert len(drafting(verified[slow_step + 3:slow_step + 53])) >= 48  # (PLAIN_EVERY)
         assert speed >= 0.98 * best_speed
-        assert policy.drafting.overhead == pytest.approx(VERIFY_S, rel=0.05)
+        # (a stall among the slope's first steps still tilts it: 1.08, the overhead 0.55 s)
+        assert policy.drafting.overhead == pytest.approx(VERIFY_S, rel=0.1)
 
 
 def test_choose_takes_verifying_as_paid():
