@@ -129,6 +129,16 @@ class CostCurve:
 
     # ------------------------------------------------------------------ refining
 
+    def clipped(self, n: int, seconds: float) -> float:
+        """A measured step of n tokens as the curve counts it: once it has observed
+        OUTLIER_AFTER steps, at most outlier_ratio off its price. A shared machine stalls now
+        and then, and one stall must not move what learns from it by more than a bounded step
+        (a policy that stops drafting stops measuring the draft)."""
+        if self.observed < OUTLIER_AFTER:
+            return seconds
+        predicted = self.step_seconds(n)
+        return min(max(seconds, predicted / self.outlier_ratio), predicted * self.outlier_ratio)
+
     def observe(self, n: int, seconds: float) -> None:
         """One measured step of n tokens.
 
@@ -140,12 +150,7 @@ class CostCurve:
         if n < 1 or seconds <= 0:
             return
         forward = self._forward_scalar(n)
-        if self.observed >= OUTLIER_AFTER:
-            # A shared machine stalls now and then: one stall must not move the curve by more
-            # than a bounded step (a policy that stops drafting stops measuring the draft).
-            predicted = max(self.overhead + forward, MIN_SECONDS)  # step_seconds(n)
-            seconds = min(max(seconds, predicted / self.outlier_ratio),
-                          predicted * self.outlier_ratio)
+        seconds = self.clipped(n, seconds)
         self.overhead += self.ema * ((seconds - forward) - self.overhead)
         err = seconds - (self.overhead + forward)
         i, w = self._segment(n)

@@ -71,12 +71,7 @@ from dspark_launch.spec.acceptance import (
     MeasuredRates,
     apply_temperatures,
 )
-from dspark_launch.spec.cost_curve import (
-    OUTLIER_AFTER,
-    OUTLIER_RATIO,
-    CostCurve,
-    profile_points,
-)
+from dspark_launch.spec.cost_curve import CostCurve, profile_points
 from dspark_launch.spec.drafting_cost import DraftingCost
 from dspark_launch.spec.ladder import PLAIN, TRY_STEPS, Allowance, Arm, Ladder
 
@@ -579,10 +574,9 @@ class VerifyPolicy:
         overhead for verifying at all, and the profile's price of the rows, scaled).
         `verifying`: the overhead is paid whatever n (a constant: choose())."""
         base, plain = self.curve.step_seconds(base_tokens), self._plain_seconds(base_tokens)
-        drafting = self.drafting
 
         def seconds(n):
-            extra = drafting.seconds(self.curve.step_seconds(n) - base)
+            extra = self.drafting.seconds(self.curve.step_seconds(n) - base)
             return plain + (extra if verifying else np.where(np.asarray(n) > base_tokens,
                                                              extra, 0.0))
         return seconds
@@ -600,12 +594,11 @@ class VerifyPolicy:
         verifies pays for the verify path too. (The draft forward has its own curve.)"""
         if forward_tokens <= base_tokens:
             return
-        priced = self.curve.step_seconds(forward_tokens)
-        if self.curve.observed >= OUTLIER_AFTER:  # a stall: the curve's own rule (a step at
-            # most OUTLIER_RATIO off its price), before the fit's own clip applies
-            seconds = min(max(seconds, priced / OUTLIER_RATIO), priced * OUTLIER_RATIO)
-        self.drafting.observe(priced - self.curve.step_seconds(base_tokens),
-                              seconds - self._plain_seconds(base_tokens))
+        seconds = self.curve.clipped(forward_tokens, seconds)  # (a stall, before the fit's
+        # own clip applies)
+        self.drafting.observe(
+            self.curve.step_seconds(forward_tokens) - self.curve.step_seconds(base_tokens),
+            seconds - self._plain_seconds(base_tokens))
 
     def record(self, key: object, cls: str, verified: int, accepted: int) -> None:
         """One request's round: `verified` drafts verified, `accepted` of them accepted."""
