@@ -116,6 +116,7 @@ MIN_TRIES = 3  # ... over this many steps at least
 PATIENCE = 6  # tries after which an unresolved neighbour is tried less often too
 HALF_LIFE = 2048  # steps (of any arm) after which a try counts half: four tries of a
 # neighbour that keeps losing (EXPLORE_MAX apart) still count when it is judged
+PATH_KEPT = 64  # moves a ladder's report keeps (to_dict's path), the latest
 BASE_ROUNDS = 32  # request-rounds the current arm's speed is averaged over, and ...
 BASE_STEPS = 4  # ... steps at least (at batch 64 one step's scatter misled every try)
 MARGIN = 0.02  # a neighbour must be this much faster to be moved to ...
@@ -303,6 +304,9 @@ class Ladder:
         self.arms = [Arm(0, False)] + [Arm(c, m) for c in caps if c for m in (False, True)]
         self.near = [self._neighbours(i) for i in range(len(self.arms))]  # per arm
         self.at = PLAIN  # the current arm: plain decoding until speculation measured faster
+        # Its moves, (step, cap, model) each, the latest PATH_KEPT: where a table's cell
+        # drafted only part of a repeat, the path says when it climbed and when it fell back.
+        self.path: list[tuple[int, int, bool]] = []
         self.base = math.nan  # the current arm's recent speed (the yardstick of every try)
         self._base_rounds, self._base_steps = 0.0, 0
         self.steps = 0
@@ -674,6 +678,7 @@ class Ladder:
             came_from.mirror(there)
             self._rescore(self.at, -gap)
         there.forget()
+        self.path = [*self.path[1 - PATH_KEPT:], (self.steps, there.cap, there.model)]
         self.base *= math.exp(gap)
         self._base_rounds, self._base_steps = 0.0, 0
         self._settled = 0.0  # the budget's full rate again (SETTLE)
@@ -731,7 +736,8 @@ class Ladder:
         self._settle()
         return {"current": {"cap": self.current.cap, "model": self.current.model},
                 "steps": self.steps, "tries": self.tries,
-                "neighbours": [self._reading(j) for j in self.near[self.at]]}
+                "neighbours": [self._reading(j) for j in self.near[self.at]],
+                "path": [{"step": n, "cap": c, "model": m} for n, c, m in self.path]}
 
     def _reading(self, j: int) -> dict:
         """Arm j's entry in to_dict()."""

@@ -19,6 +19,7 @@ from dspark_launch.spec.ladder import (
     BUDGET_FLOOR,
     EXPLORE_MAX,
     MARGIN,
+    PATH_KEPT,
     PLAIN,
     SETTLE,
     TRY_GAP,
@@ -753,3 +754,30 @@ def test_a_cost_model_arm_that_plays_below_its_tries_is_left():
             got.append(s)
         late.append(sum(got[2000:]) / 6000)
     assert sum(late) / len(late) >= 1.055 and min(late) >= 1.03, late
+
+
+def test_the_report_keeps_the_path_of_moves():
+    """to_dict()["path"]: every move (the step it came at, the arm it went to), the latest
+    PATH_KEPT of them, as the current arm seen after each step tells them; a table's cell that
+    drafted in part of a repeat shows there when its ladder climbed and when it fell back."""
+    ladder = Ladder(8)
+    seen, at = [], ladder.at
+    rng = random.Random(5)
+    for step in range(3000):
+        i = ladder.pick()
+        arm = ladder.arms[i]
+        # The machine swings every 1000 steps: cap 3 pays, then no drafting arm does.
+        speed = peaked(3)(arm.cap, arm.model) if (step // 1000) % 2 == 0 else \
+            (0.8 if arm.cap else 1.0)
+        ladder.observe(i, ROUNDS, ROUNDS * speed * rng.uniform(0.9, 1.1), 1.0)
+        if ladder.at != at:
+            at = ladder.at
+            seen.append({"step": ladder.steps, "cap": ladder.current.cap,
+                         "model": ladder.current.model})
+    assert ladder.to_dict()["path"] == seen[-PATH_KEPT:]
+    assert any(m["cap"] == 0 for m in seen) and seen[0]["cap"] > 0  # climbed, fell back
+    ladder.path = [(n, 1, False) for n in range(PATH_KEPT)]  # full: the oldest move goes
+    j = ladder.near[ladder.at][0]
+    ladder._move(j)
+    assert len(ladder.path) == PATH_KEPT and ladder.path[0][0] == 1
+    assert ladder.path[-1] == (ladder.steps, ladder.arms[j].cap, ladder.arms[j].model)
