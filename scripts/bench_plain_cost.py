@@ -24,7 +24,8 @@ fixed verify length on this machine, and one where some ALG/c beats ALG by more 
 is speed the ladder left. ALG/cm (e.g. --caps 4m) pins the ladder's other arm at that cap: the
 cost model chooses each request's drafts within c. Each pinned engine's verify lengths go into
 the JSON (verified_lengths: request-rounds per number of drafts verified), and a run in which
-one exceeded its cap writes nothing.
+one exceeded its cap writes nothing. Each ALG engine's ladders go in too (`ladders`: where
+each ended, and its path of moves).
 """
 
 from __future__ import annotations
@@ -128,10 +129,13 @@ def main() -> None:
     drafting: dict[str, list[float]] = {n: [] for n in names}
     taus: dict[str, list[float]] = {n: [] for n in names}
     pinned: dict[str, object] = {}  # name -> its engine (its policy's metrics outlive it)
+    adaptive: dict[str, object] = {}  # the engines that run as the benchmark runs them
     try:
         params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature)
 
         def adjust(name: str, engine) -> None:  # NONE/2 is a NONE engine, ALG/c an ALG one
+            if engine.policy is not None and pinned_arm(name) is None:
+                adaptive[name] = engine
             if (arm := pinned_arm(name)) is not None:
                 pin(engine, *arm)
                 pinned[name] = engine
@@ -164,7 +168,9 @@ def main() -> None:
                            "runs": ratios[n], "drafting_share": drafting[n],
                            "tau": statistics.median(taus[n]),
                            **({"verified_lengths": lengths[n]} if n in lengths else {})}
-                       for n in names}}
+                       for n in names},
+           # where each adaptive engine's ladders ended, and the path of moves there
+           "ladders": {n: e.policy.report()["ladders"] for n, e in adaptive.items()}}
     write_medians(names, ratios, taus, out, args.out)
 
 

@@ -304,8 +304,10 @@ class Ladder:
         self.arms = [Arm(0, False)] + [Arm(c, m) for c in caps if c for m in (False, True)]
         self.near = [self._neighbours(i) for i in range(len(self.arms))]  # per arm
         self.at = PLAIN  # the current arm: plain decoding until speculation measured faster
-        # Its moves, (step, cap, model) each, the latest PATH_KEPT: where a table's cell
-        # drafted only part of a repeat, the path says when it climbed and when it fell back.
+        # Its moves, (step, cap, model) each, the latest PATH_KEPT, at this ladder's steps
+        # (a ladder that starts where a larger batch's left plain decoding, start_at, moves
+        # there at step 0): where a table's cell drafted in only part of its decode time,
+        # the path tells how the ladder climbed and fell back, and at which of its steps.
         self.path: list[tuple[int, int, bool]] = []
         self.base = math.nan  # the current arm's recent speed (the yardstick of every try)
         self._base_rounds, self._base_steps = 0.0, 0
@@ -678,7 +680,7 @@ class Ladder:
             came_from.mirror(there)
             self._rescore(self.at, -gap)
         there.forget()
-        self.path = [*self.path[1 - PATH_KEPT:], (self.steps, there.cap, there.model)]
+        self.path = [*self.path, (self.steps, there.cap, there.model)][-PATH_KEPT:]
         self.base *= math.exp(gap)
         self._base_rounds, self._base_steps = 0.0, 0
         self._settled = 0.0  # the budget's full rate again (SETTLE)
