@@ -134,11 +134,11 @@ def main() -> None:
         params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature)
 
         def adjust(name: str, engine) -> None:  # NONE/2 is a NONE engine, ALG/c an ALG one
-            if engine.policy is not None and pinned_arm(name) is None:
-                adaptive[name] = engine
             if (arm := pinned_arm(name)) is not None:
                 pin(engine, *arm)
                 pinned[name] = engine
+            elif engine.policy is not None:
+                adaptive[name] = engine
 
         for rep, done in side_by_side(names, args.batch, args.num_prompts, params, args.warmup,
                                       args.repeats, adjust):
